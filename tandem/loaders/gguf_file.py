@@ -1,0 +1,121 @@
+"""GGUF files: dequantized with the `gguf` package, llama.cpp's Q/K row permutation undone."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from tandem.config import ModelConfig, UnsupportedModelError
+from tandem.loaders.assemble import CheckpointError, assemble_weights
+from tandem.model.llama import ModelWeights
+from tandem.model.rope import rope_inv_freq
+
+_SUPPORTED_TYPES = {
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+}
+
+_GGUF_NAMES = {
+    "embed": "token_embd.weight",
+    "norm": "output_norm.weight",
+    "lm_head": "output.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight",
+    "q": "blk.{i}.attn_q.weight",
+    "k": "blk.{i}.attn_k.weight",
+    "v": "blk.{i}.attn_v.weight",
+    "q_bias": "blk.{i}.attn_q.bias",
+    "k_bias": "blk.{i}.attn_k.bias",
+    "v_bias": "blk.{i}.attn_v.bias",
+    "o": "blk.{i}.attn_output.weight",
+    "mlp_norm": "blk.{i}.ffn_norm.weight",
+    "gate": "blk.{i}.ffn_gate.weight",
+    "up": "blk.{i}.ffn_up.weight",
+    "down": "blk.{i}.ffn_down.weight",
+}
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights]:
+    reader = GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = config_from_gguf(reader, has_output="output.weight" in tensors)
+    # llama.cpp permutes Q and K rows for its interleaved RoPE on "llama"; Qwen2 is left as is.
+    permuted = config.architecture == "llama"
+
+    def get(role: str, layer: int | None) -> torch.Tensor | None:
+        tensor = tensors.get(_GGUF_NAMES[role].format(i=layer))
+        if tensor is None:
+            return None
+        weight = _dequantize(tensor)
+        if permuted and role in ("q", "q_bias"):
+            weight = _unpermute(weight, config.num_heads)
+        elif permuted and role in ("k", "k_bias"):
+            weight = _unpermute(weight, config.num_kv_heads)
+        return weight
+
+    inv_freq = None
+    if "rope_freqs.weight" in tensors:  # Llama 3 scaling, stored as per-frequency divisors
+        inv_freq = rope_inv_freq(config) / _dequantize(tensors["rope_freqs.weight"]).double()
+    return config, assemble_weights(config, get, inv_freq)
+
+
+def config_from_gguf(reader: GGUFReader, has_output: bool) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: llama, qwen2")
+
+    def meta(key: str, default=None):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None and default is None:
+            raise CheckpointError(f"GGUF metadata lacks {arch}.{key}")
+        return default if value is None else value
+
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=int(meta("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta("context_length", 2048)),
+        tie_word_embeddings=not has_output,
+        attention_bias=arch == "qwen2",
+    )
+
+
+def _field(reader: GGUFReader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _dequantize(tensor) -> torch.Tensor:
+    if tensor.tensor_type not in _SUPPORTED_TYPES:
+        raise CheckpointError(
+            f"tensor {tensor.name} has GGUF type {tensor.tensor_type.name}; "
+            f"supported: {', '.join(sorted(t.name for t in _SUPPORTED_TYPES))}"
+        )
+    array = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True).reshape(shape))
+
+
+def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverts llama.cpp's convert-time permutation of Q/K rows (pairs back into halves)."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)

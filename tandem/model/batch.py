@@ -1,0 +1,124 @@
+"""One forward call's batch: prefill chunks, decode steps and draft verification, mixed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceChunk:
+    """New tokens of one sequence, written to its KV slot from position `start` on."""
+
+    slot: int
+    start: int
+    token_ids: list[int]
+    num_logits: int = 1  # logits for this many trailing positions: 1 to decode, k+1 to verify
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Index tensors that every layer's attention shares, built once per forward."""
+
+    single_slot: int | None  # set when the batch holds one sequence: views, no gathers
+    context_len: int  # the longest context in the batch
+    max_query_len: int
+    mask: torch.Tensor | None  # [G*T, L] single, [B, 1, G*maxq, maxL] batched; None = all visible
+    slot_ids: torch.Tensor | None  # [B]
+    query_index: torch.Tensor | None  # [B, maxq] -> token index (padding points at a real token)
+    token_to_padded: torch.Tensor | None  # [T] -> flat index into [B * maxq]
+    token_slots: torch.Tensor | None  # [T]
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    logits_indices: torch.Tensor  # [num_logits]
+    attn: AttentionMetadata
+    num_tokens: int
+
+    @classmethod
+    def build(cls, chunks: list[SequenceChunk], queries_per_kv: int, device: torch.device) -> "ForwardBatch":
+        if not chunks or any(not c.token_ids for c in chunks):
+            raise ValueError("a forward batch needs at least one chunk, and no empty chunk")
+        for c in chunks:
+            if not 1 <= c.num_logits <= len(c.token_ids):
+                raise ValueError(f"num_logits={c.num_logits} must be in [1, {len(c.token_ids)}]")
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        for c in chunks:
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start, c.end))
+            logits_indices.extend(range(len(ids) - c.num_logits, len(ids)))
+        attn = (
+            _single_metadata(chunks[0], queries_per_kv, device)
+            if len(chunks) == 1
+            else _batched_metadata(chunks, queries_per_kv, device)
+        )
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            attn=attn,
+            num_tokens=len(ids),
+        )
+
+
+def _causal_mask(query_positions: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[..., q] positions -> [..., q, context_len] bool: a query sees keys at or before it."""
+    keys = torch.arange(context_len, device=query_positions.device)
+    return keys <= query_positions.unsqueeze(-1)
+
+
+def _single_metadata(chunk: SequenceChunk, queries_per_kv: int, device: torch.device) -> AttentionMetadata:
+    num_new = len(chunk.token_ids)
+    mask = None
+    if num_new > 1:
+        positions = torch.arange(chunk.start, chunk.end, device=device)
+        mask = _causal_mask(positions, chunk.end).repeat(queries_per_kv, 1)  # [G*T, L]
+    return AttentionMetadata(
+        single_slot=chunk.slot,
+        context_len=chunk.end,
+        max_query_len=num_new,
+        mask=mask,
+        slot_ids=None,
+        query_index=None,
+        token_to_padded=None,
+        token_slots=None,
+    )
+
+
+def _batched_metadata(chunks: list[SequenceChunk], queries_per_kv: int, device: torch.device) -> AttentionMetadata:
+    max_q = max(len(c.token_ids) for c in chunks)
+    context_len = max(c.end for c in chunks)
+    query_index = torch.zeros(len(chunks), max_q, dtype=torch.long)
+    query_pos = torch.zeros(len(chunks), max_q, dtype=torch.long)  # padding sees key 0 only
+    token_to_padded: list[int] = []
+    token_slots: list[int] = []
+    offset = 0
+    for b, c in enumerate(chunks):
+        n = len(c.token_ids)
+        query_index[b, :n] = torch.arange(offset, offset + n)
+        query_index[b, n:] = offset
+        query_pos[b, :n] = torch.arange(c.start, c.end)
+        token_to_padded.extend(range(b * max_q, b * max_q + n))
+        token_slots.extend([c.slot] * n)
+        offset += n
+    mask = _causal_mask(query_pos, context_len)  # [B, maxq, L]
+    mask = mask.repeat(1, queries_per_kv, 1).unsqueeze(1)  # [B, 1, G*maxq, L]
+    return AttentionMetadata(
+        single_slot=None,
+        context_len=context_len,
+        max_query_len=max_q,
+        mask=mask.to(device),
+        slot_ids=torch.tensor([c.slot for c in chunks], dtype=torch.long, device=device),
+        query_index=query_index.to(device),
+        token_to_padded=torch.tensor(token_to_padded, dtype=torch.long, device=device),
+        token_slots=torch.tensor(token_slots, dtype=torch.long, device=device),
+    )

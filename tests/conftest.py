@@ -1,0 +1,41 @@
+"""Shared fixtures: the embedded model, and tiny random checkpoints written by the tests."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+# Triton picks interpreter or compiler when kernels/ is imported. Without CUDA only the
+# interpreter can run the kernels, and tests compare them with their references on CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tandem.registry import resolve_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    return resolve_model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_path):
+    """(config, float32 weights) of the embedded GGUF, read once per test session."""
+    from tandem.loaders import load_checkpoint
+
+    return load_checkpoint(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' own loading of the same GGUF file: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    return model.eval()
