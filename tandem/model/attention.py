@@ -44,11 +44,13 @@ def _attend_single(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
-    k = k_cache[meta.single_slot, :, : meta.context_len]  # [kv_heads, L, head_dim], a view
-    v = v_cache[meta.single_slot, :, : meta.context_len]
+    # 4-D operands: 3-D ones send CPU SDPA down its unfused math path, 2x slower here.
+    slot = slice(meta.single_slot, meta.single_slot + 1)
+    k = k_cache[slot, :, : meta.context_len]  # [1, kv_heads, L, head_dim], a view
+    v = v_cache[slot, :, : meta.context_len]
     q = q.view(num_tokens, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    q = q.reshape(kv_heads, group * num_tokens, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask)  # [kv_heads, G*T, head_dim]
+    q = q.reshape(1, kv_heads, group * num_tokens, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask)  # [1, kv_heads, G*T, head_dim]
     out = out.view(kv_heads, group, num_tokens, head_dim).permute(2, 0, 1, 3)
     return out.reshape(num_tokens, num_heads * head_dim)
 
@@ -59,8 +61,8 @@ def _attend_batched(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tenso
     group = num_heads // kv_heads
     max_q = meta.max_query_len
     batch = meta.query_index.shape[0]
-    k = k_cache[meta.slot_ids, :, : meta.context_len]  # [B, kv_heads, L, head_dim]
-    v = v_cache[meta.slot_ids, :, : meta.context_len]
+    k = _gather_slots(k_cache, meta)  # [B, kv_heads, L, head_dim]
+    v = _gather_slots(v_cache, meta)
     qp = q[meta.query_index]  # [B, maxq, heads, head_dim]
     qp = qp.view(batch, max_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qp = qp.reshape(batch, kv_heads, group * max_q, head_dim)
@@ -68,3 +70,11 @@ def _attend_batched(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tenso
     out = out.view(batch, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(batch * max_q, num_heads * head_dim)
     return out[meta.token_to_padded]
+
+
+def _gather_slots(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """[slots, kv_heads, max_len, head_dim] -> the batch's [B, kv_heads, L, head_dim]."""
+    cache = cache[:, :, : meta.context_len]
+    if meta.first_slot is not None:
+        return cache[meta.first_slot : meta.first_slot + meta.slot_ids.shape[0]]  # a view
+    return cache.index_select(0, meta.slot_ids)  # 4-5x faster than advanced indexing on CPU

@@ -29,6 +29,7 @@ class AttentionMetadata:
     max_query_len: int
     mask: torch.Tensor | None  # [G*T, L] single, [B, 1, G*maxq, maxL] batched; None = all visible
     slot_ids: torch.Tensor | None  # [B]
+    first_slot: int | None  # set when the batch's slots are consecutive: K/V are views, no gathers
     query_index: torch.Tensor | None  # [B, maxq] -> token index (padding points at a real token)
     token_to_padded: torch.Tensor | None  # [T] -> flat index into [B * maxq]
     token_slots: torch.Tensor | None  # [T]
@@ -88,6 +89,7 @@ def _single_metadata(chunk: SequenceChunk, queries_per_kv: int, device: torch.de
         max_query_len=num_new,
         mask=mask,
         slot_ids=None,
+        first_slot=None,
         query_index=None,
         token_to_padded=None,
         token_slots=None,
@@ -96,6 +98,7 @@ def _single_metadata(chunk: SequenceChunk, queries_per_kv: int, device: torch.de
 
 def _batched_metadata(chunks: list[SequenceChunk], queries_per_kv: int, device: torch.device) -> AttentionMetadata:
     max_q = max(len(c.token_ids) for c in chunks)
+    slots = [c.slot for c in chunks]
     context_len = max(c.end for c in chunks)
     query_index = torch.zeros(len(chunks), max_q, dtype=torch.long)
     query_pos = torch.zeros(len(chunks), max_q, dtype=torch.long)  # padding sees key 0 only
@@ -117,7 +120,8 @@ def _batched_metadata(chunks: list[SequenceChunk], queries_per_kv: int, device: 
         context_len=context_len,
         max_query_len=max_q,
         mask=mask.to(device),
-        slot_ids=torch.tensor([c.slot for c in chunks], dtype=torch.long, device=device),
+        slot_ids=torch.tensor(slots, dtype=torch.long, device=device),
+        first_slot=slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None,
         query_index=query_index.to(device),
         token_to_padded=torch.tensor(token_to_padded, dtype=torch.long, device=device),
         token_slots=torch.tensor(token_slots, dtype=torch.long, device=device),

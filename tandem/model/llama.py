@@ -10,6 +10,7 @@ from tandem.config import ModelConfig
 from tandem.model.attention import attend, write_kv
 from tandem.model.batch import ForwardBatch, SequenceChunk
 from tandem.model.kv_cache import KVCache
+from tandem.model.linear import DenseLinear, Linear, LinearBackend, make_linear
 from tandem.model.rope import RotaryEmbedding, rope_inv_freq
 
 
@@ -50,15 +51,46 @@ class ModelWeights:
         )
 
 
-class LlamaModel:
-    """Runs mixed batches of prefill, decode and verify chunks against a slot KV cache."""
+@dataclass(slots=True)
+class Layer:
+    """One decoder layer ready to run: its linears hold weights in the device's layout."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, kv_cache: KVCache):
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o: Linear  # heads * head_dim -> hidden
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
+
+    @classmethod
+    def build(cls, w: LayerWeights, backend: LinearBackend) -> "Layer":
+        return cls(
+            attn_norm=w.attn_norm,
+            qkv=make_linear(w.qkv, w.qkv_bias, backend),
+            o=make_linear(w.o, None, backend),
+            mlp_norm=w.mlp_norm,
+            gate_up=make_linear(w.gate_up, None, backend),
+            down=make_linear(w.down, None, backend),
+        )
+
+
+class LlamaModel:
+    """Runs mixed batches of prefill, decode and verify chunks against a slot KV cache.
+
+    `linear_backend="torch"` keeps plain F.linear on CPU too: the reference for benchmarks.
+    """
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, kv_cache: KVCache,
+                 linear_backend: LinearBackend = "auto"):
         self.config = config
-        self.weights = weights
         self.kv_cache = kv_cache
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
+        self._layers = [Layer.build(w, linear_backend) for w in weights.layers]
+        self._final_norm = weights.norm
+        self._lm_head = make_linear(weights.lm_head, None, linear_backend)
+        tied = weights.lm_head is weights.embed
+        self._embed = self._lm_head if tied else DenseLinear(weights.embed, None)
         inv_freq = weights.rope_inv_freq if weights.rope_inv_freq is not None else rope_inv_freq(config)
         self.rope = RotaryEmbedding(inv_freq, kv_cache.max_len, self.dtype, self.device)
         self._q_size = config.num_heads * config.head_dim
@@ -77,12 +109,12 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns float32 logits [num_logits, vocab] at the positions the chunks asked for."""
-        hidden = F.embedding(batch.input_ids, self.weights.embed)  # [T, hidden]
-        for index, layer in enumerate(self.weights.layers):
+        hidden = self._embed.rows(batch.input_ids)  # [T, hidden]
+        for index, layer in enumerate(self._layers):
             hidden = self._layer(index, layer, hidden, batch)
         last = hidden[batch.logits_indices]  # [num_logits, hidden]
-        last = self._norm(last, self.weights.norm)
-        return F.linear(last, self.weights.lm_head).float()
+        last = self._norm(last, self._final_norm)
+        return self._lm_head(last).float()
 
     def run(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         return self.forward(self.build_batch(chunks))
@@ -93,11 +125,11 @@ class LlamaModel:
             return F.rms_norm(x, weight.shape, weight, eps)
         return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
 
-    def _layer(self, index: int, w: LayerWeights, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _layer(self, index: int, w: Layer, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.config
         num_tokens = hidden.shape[0]
         x = self._norm(hidden, w.attn_norm)
-        qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (heads + 2 * kv_heads) * head_dim]
+        qkv = w.qkv(x)  # [T, (heads + 2 * kv_heads) * head_dim]
         qk = qkv[:, : self._q_size + self._kv_size].view(num_tokens, -1, cfg.head_dim)
         qk = self.rope.apply(qk, batch.positions)  # [T, heads + kv_heads, head_dim]
         q = qk[:, : cfg.num_heads]
@@ -106,10 +138,10 @@ class LlamaModel:
         k_cache, v_cache = self.kv_cache.k[index], self.kv_cache.v[index]
         write_kv(k_cache, v_cache, k, v, batch.positions, batch.attn)
         attn = attend(q, k_cache, v_cache, batch.attn)  # [T, heads * head_dim]
-        hidden = hidden + F.linear(attn, w.o)
+        hidden = hidden + w.o(attn)
         x = self._norm(hidden, w.mlp_norm)
-        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, w.down)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        return hidden + w.down(F.silu(gate) * up)
 
 
 def build_model(
@@ -120,7 +152,8 @@ def build_model(
     device: torch.device,
     num_slots: int,
     max_model_len: int,
+    linear_backend: LinearBackend = "auto",
 ) -> LlamaModel:
     weights = weights.to(dtype, device)
     cache = KVCache(config, num_slots=num_slots, max_len=max_model_len, dtype=dtype, device=device)
-    return LlamaModel(config, weights, cache)
+    return LlamaModel(config, weights, cache, linear_backend)
