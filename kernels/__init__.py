@@ -1,0 +1,63 @@
+"""Tensor math of speculative decoding: sampling, draft compression, and lossless verification.
+
+Every kernel has a PyTorch reference: CUDA tensors run the Triton kernel, CPU tensors the
+reference. Randomness is keyed by (seed, position, salt), never by generator state.
+
+Drafter, per draft token at absolute position t (rejection mode):
+    q = processed_probs(logits, ...); c = encode(q, DEFAULT_TOP_K)
+    d = sample_compressed(c, seeds, t)          # drawn from q' = decode(c), never from q
+    wire: d and pack(c)
+Target, per step (sequences without drafts are requests with k = 0):
+    c = unpack(bytes, k, K, vocab)              # InvalidDraftProbs: drop the proposal
+    p = processed_probs(logits of the k+1 positions, ...)
+    rejection_sample(p, d, cu_num_draft_tokens, concat([c, no_probs(k_greedy), ...]), is_greedy, seeds, positions)
+Drafter-invariant mode: the drafter proposes sample(q, seeds, t) (shared TARGET_SALT noise) and
+sends ids only; the target calls verify_invariant(p, d, cu_num_draft_tokens, seeds, positions).
+"""
+from kernels.checks import KernelInputError
+from kernels.compression import (
+    DEFAULT_TOP_K,
+    ONE,
+    CompressedProbs,
+    InvalidDraftProbs,
+    concat,
+    decode,
+    encode,
+    no_probs,
+    pack,
+    sample_compressed,
+    to_dense,
+    unpack,
+    wire_bytes_per_token,
+)
+from kernels.gumbel import verify_invariant
+from kernels.random import ACCEPT_SALT, DRAFT_SALT, TARGET_SALT, fresh_seed
+from kernels.ragged import VerifyResult
+from kernels.rejection import rejection_sample
+from kernels.sampling import processed_probs, sample
+
+__all__ = [
+    "ACCEPT_SALT",
+    "DEFAULT_TOP_K",
+    "DRAFT_SALT",
+    "ONE",
+    "TARGET_SALT",
+    "CompressedProbs",
+    "InvalidDraftProbs",
+    "KernelInputError",
+    "VerifyResult",
+    "concat",
+    "decode",
+    "encode",
+    "fresh_seed",
+    "no_probs",
+    "pack",
+    "processed_probs",
+    "rejection_sample",
+    "sample",
+    "sample_compressed",
+    "to_dense",
+    "unpack",
+    "verify_invariant",
+    "wire_bytes_per_token",
+]

@@ -1,0 +1,100 @@
+"""The flattened ragged batch that verification works on, and its output.
+
+Request b has k_b >= 0 drafts, flattened in request order. `cu_num_draft_tokens[b]` is the
+inclusive cumulative count (as in vLLM), so request b owns drafts [cu[b-1], cu[b]) and target
+rows [cu[b-1] + b, cu[b] + b]: one row per draft position plus the bonus position. positions[b]
+is the absolute sequence position of the first token the request emits (that of its first draft),
+so row j is keyed by positions[b] + j, and a seeded request gets the same tokens in any batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.checks import KernelInputError, check_tensor
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """tokens [B, max_k + 1] int64 (accepted drafts then the recovered or bonus token, -1 after);
+    num_accepted [B] int32."""
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RaggedLayout:
+    """Index maps of a flattened ragged batch, all int64 on the batch's device."""
+
+    num_drafts: torch.Tensor  # [B] k_b
+    starts: torch.Tensor  # [B] index of the request's first draft
+    request: torch.Tensor  # [D] request of each draft
+    local: torch.Tensor  # [D] j, the draft's index within its request
+    rows: torch.Tensor  # [D] target row of each draft
+    max_drafts: int
+
+
+def num_drafts_per_request(cu_num_draft_tokens: torch.Tensor) -> torch.Tensor:
+    """k_b [B] from the inclusive cumulative counts."""
+    return torch.diff(cu_num_draft_tokens, prepend=cu_num_draft_tokens.new_zeros(1))
+
+
+def ragged_layout(cu_num_draft_tokens: torch.Tensor) -> RaggedLayout:
+    """Index maps for requests owning drafts [cu[b-1], cu[b]) and target rows shifted by b."""
+    cu = cu_num_draft_tokens
+    num_drafts = num_drafts_per_request(cu)
+    starts = cu - num_drafts
+    request = torch.repeat_interleave(torch.arange(cu.shape[0], device=cu.device), num_drafts)
+    draft_index = torch.arange(request.shape[0], device=cu.device)
+    max_drafts = int(num_drafts.max()) if cu.shape[0] else 0
+    return RaggedLayout(num_drafts, starts, request, draft_index - starts[request], draft_index + request, max_drafts)
+
+
+def num_leading(flags: torch.Tensor, layout: RaggedLayout) -> torch.Tensor:
+    """Per request [B], how many of its leading per-draft flags [D] are true."""
+    batch = layout.num_drafts.shape[0]
+    padded = torch.ones(batch, layout.max_drafts, dtype=torch.int64, device=flags.device)
+    padded[layout.request, layout.local] = flags.to(torch.int64)
+    return torch.minimum(padded.cumprod(dim=1).sum(dim=1), layout.num_drafts)
+
+
+def check_ragged_batch(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Shapes, dtypes and consistency of a verification batch, and draft ids inside the vocabulary."""
+    device = target_probs.device
+    check_tensor("target_probs", target_probs, torch.float32, (None, None), device)
+    check_tensor("cu_num_draft_tokens", cu_num_draft_tokens, torch.int64, (None,), device)
+    if bool((num_drafts_per_request(cu_num_draft_tokens) < 0).any()):
+        raise KernelInputError("cu_num_draft_tokens: must be non-decreasing from >= 0")
+    batch, (num_tokens, vocab) = cu_num_draft_tokens.shape[0], target_probs.shape
+    num_draft = int(cu_num_draft_tokens[-1]) if batch else 0
+    check_tensor("draft_tokens", draft_tokens, torch.int64, (num_draft,), device)
+    check_tensor("seeds", seeds, torch.int64, (batch,), device)
+    check_tensor("positions", positions, torch.int64, (batch,), device)
+    if num_tokens != num_draft + batch:
+        raise KernelInputError(
+            f"target_probs: expected {num_draft + batch} rows (drafts + one per request), got {num_tokens}"
+        )
+    if vocab == 0:
+        raise KernelInputError("target_probs: the vocabulary is empty")
+    if bool(((draft_tokens < 0) | (draft_tokens >= vocab)).any()):
+        raise KernelInputError(f"draft_tokens: ids must be in [0, {vocab})")
+
+
+def emit_tokens(
+    draft_tokens: torch.Tensor, layout: RaggedLayout, num_accepted: torch.Tensor, last: torch.Tensor
+) -> VerifyResult:
+    """Lay out accepted drafts, then the last token, padded with -1."""
+    batch = num_accepted.shape[0]
+    tokens = torch.full((batch, layout.max_drafts + 1), -1, dtype=torch.int64, device=last.device)
+    keep = layout.local < num_accepted[layout.request]
+    tokens[layout.request[keep], layout.local[keep]] = draft_tokens[keep]
+    tokens[torch.arange(batch, device=last.device), num_accepted] = last
+    return VerifyResult(tokens, num_accepted.to(torch.int32))

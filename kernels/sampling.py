@@ -1,0 +1,164 @@
+"""Sampling: the target's processed distribution p, and keyed draws from it.
+
+`processed_probs` turns logits into p (temperature, then top-k, top-p and min-p), one set of
+parameters per row. Greedy rows (temperature 0) get the one-hot of the first argmax, so every
+later step treats greedy and random rows alike: a draw from a one-hot p is its argmax.
+
+`sample` draws by an exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) keyed by
+(seed, position, salt), which is a draw from p (the Gumbel-max trick, since
+log p_i - log E_i = log p_i + Gumbel). The draw depends on its key alone, whatever the batch.
+Ties go to the lowest index everywhere, as torch.argmax does.
+
+p is built with sort-based torch ops on any device (as vLLM does); only the draw is a kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import INTERPRETED, jit, next_power_of_2, require_triton, tl
+from kernels.checks import KernelInputError, check_tensor
+from kernels.random import TARGET_SALT, race_weights, tl_race_weights
+
+# A GPU pays for a block in registers, Triton's CPU interpreter per loop iteration.
+BLOCK_V = 4096 if INTERPRETED else 1024
+
+
+def processed_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """p [B, V] float32 from logits [B, V]; per row temperature, top_k (<= 0: off), top_p, min_p."""
+    _check_sampling_params(logits, temperature, top_k, top_p, min_p)
+    logits = logits.float()
+    greedy = temperature == 0  # [B]
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    probs = torch.softmax(logits / scale[:, None], dim=-1)  # [B, V]
+    if bool((top_k > 0).any() | (top_p < 1).any() | (min_p > 0).any()):
+        probs = _filter(probs, top_k, top_p, min_p)
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def _filter(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Keep the top-k, then the top-p nucleus of that, then entries >= min_p * max; renormalize."""
+    vocab = probs.shape[1]
+    # A stable sort breaks ties by index, so the kept set is deterministic.
+    sorted_probs, order = probs.sort(dim=1, descending=True, stable=True)  # [B, V]
+    rank = torch.arange(vocab, device=probs.device)
+    keep = rank[None, :] < torch.where(top_k > 0, top_k, vocab).to(probs.device)[:, None]
+    kept = sorted_probs * keep
+    # top-p applies to the top-k distribution renormalized, as in HF transformers.
+    mass_before = (kept.cumsum(dim=1) - kept) / kept.sum(dim=1, keepdim=True)
+    keep &= mass_before < top_p[:, None]
+    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+    filtered = torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
+    return filtered / filtered.sum(dim=1, keepdim=True)
+
+
+def _check_sampling_params(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> None:
+    """Shapes, dtypes and ranges of processed_probs' arguments."""
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise KernelInputError(f"logits: expected a float [B, V] tensor, got {logits.dtype} {list(logits.shape)}")
+    batch, device = logits.shape[0], logits.device
+    check_tensor("temperature", temperature, torch.float32, (batch,), device)
+    check_tensor("top_k", top_k, torch.int64, (batch,), device)
+    check_tensor("top_p", top_p, torch.float32, (batch,), device)
+    check_tensor("min_p", min_p, torch.float32, (batch,), device)
+    if not bool(((temperature >= 0) & temperature.isfinite()).all()):
+        raise KernelInputError("temperature: must be finite and >= 0")
+    if not bool(((top_p > 0) & (top_p <= 1)).all()):
+        raise KernelInputError("top_p: must be in (0, 1]")
+    if not bool(((min_p >= 0) & (min_p <= 1)).all()):
+        raise KernelInputError("min_p: must be in [0, 1]")
+
+
+def sample(
+    probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt: int = TARGET_SALT
+) -> torch.Tensor:
+    """Tokens [B] int64 drawn from probs [B, V] keyed by (seeds[b], positions[b], salt)."""
+    _check_sample(probs, seeds, positions)
+    if probs.is_cuda:
+        return sample_triton(probs, seeds, positions, salt)
+    return sample_reference(probs, seeds, positions, salt)
+
+
+def _check_sample(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> None:
+    """probs float32 [B, V] with V >= 1; seeds and positions int64 [B] on the same device."""
+    check_tensor("probs", probs, torch.float32, (None, None), probs.device)
+    if probs.shape[1] == 0:
+        raise KernelInputError("probs: the vocabulary is empty")
+    check_tensor("seeds", seeds, torch.int64, (probs.shape[0],), probs.device)
+    check_tensor("positions", positions, torch.int64, (probs.shape[0],), probs.device)
+
+
+def sample_reference(
+    probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt: int = TARGET_SALT
+) -> torch.Tensor:
+    """PyTorch reference of `sample`."""
+    index = torch.arange(probs.shape[1], device=probs.device)
+    return (probs * race_weights(seeds, positions, salt, index)).argmax(dim=1)
+
+
+def sample_triton(
+    probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt: int = TARGET_SALT
+) -> torch.Tensor:
+    """Launch `_sample_kernel`, one program per row."""
+    require_triton()
+    batch, vocab = probs.shape
+    tokens = torch.empty(batch, dtype=torch.int64, device=probs.device)
+    block = min(BLOCK_V, next_power_of_2(vocab))
+    _sample_kernel[(batch,)](tokens, probs, seeds, positions, vocab, SALT=salt, BLOCK=block)
+    return tokens
+
+
+@jit(do_not_specialize=["vocab"])
+def _sample_kernel(tokens_ptr, probs_ptr, seeds_ptr, positions_ptr, vocab, SALT: tl.constexpr, BLOCK: tl.constexpr):
+    """tokens[b] = argmax(probs[b] * race weights keyed by (seed, position))."""
+    b = tl.program_id(0)
+    seed = tl.load(seeds_ptr + b)
+    position = tl.load(positions_ptr + b)
+    row_ptr = probs_ptr + b.to(tl.int64) * vocab
+    tl.store(tokens_ptr + b, tl_race_argmax(row_ptr, vocab, seed, position, SALT, BLOCK).to(tl.int64))
+
+
+@jit()
+def tl_race_argmax(row_ptr, vocab, seed, position, SALT: tl.constexpr, BLOCK: tl.constexpr):
+    """argmax(p * race weights) over one row, first index on ties (torch.argmax's rule)."""
+    best_key = tl.full((), -1.0, tl.float32)
+    best_index = tl.full((), 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < vocab
+        p = tl.load(row_ptr + offs, mask=inside, other=0.0)
+        key = tl.where(inside, p * tl_race_weights(seed, position, SALT, offs.to(tl.uint32)), -1.0)
+        block_key, block_index = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
+        better = block_key > best_key
+        best_index = tl.where(better, start + block_index, best_index)
+        best_key = tl.where(better, block_key, best_key)
+    return best_index
+
+
+@jit()
+def tl_argmax(row_ptr, vocab, BLOCK: tl.constexpr):
+    """argmax over one row, first index on ties."""
+    best_value = tl.full((), float("-inf"), tl.float32)
+    best_index = tl.full((), 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        values = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf"))
+        block_value, block_index = tl.max(values, 0, return_indices=True, return_indices_tie_break_left=True)
+        better = block_value > best_value
+        best_index = tl.where(better, start + block_index, best_index)
+        best_value = tl.where(better, block_value, best_value)
+    return best_index

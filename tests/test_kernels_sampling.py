@@ -1,0 +1,130 @@
+"""The target's processed distribution p, and keyed sampling from it (PyTorch path)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from kernels import KernelInputError, processed_probs, sample
+
+ALPHA = 1e-3
+
+
+def _params(batch: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> dict[str, torch.Tensor]:
+    """Per-row sampling parameters, each a scalar or a list of length batch."""
+    def column(value, dtype):
+        return torch.tensor(value if isinstance(value, list) else [value] * batch, dtype=dtype)
+
+    return {
+        "temperature": column(temperature, torch.float32),
+        "top_k": column(top_k, torch.int64),
+        "top_p": column(top_p, torch.float32),
+        "min_p": column(min_p, torch.float32),
+    }
+
+
+LOGITS = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
+
+
+def test_temperature_scales_logits():
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    probs = processed_probs(logits, **_params(3, temperature=[0.5, 1.0, 2.0]))
+    expected = torch.softmax(logits / torch.tensor([[0.5], [1.0], [2.0]]), dim=1)
+    torch.testing.assert_close(probs, expected)
+
+
+def test_greedy_row_is_one_hot_at_the_first_argmax():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0]])
+    probs = processed_probs(logits, **_params(1, temperature=0.0, top_k=1, top_p=0.5))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    "filters, expected",
+    [
+        ({"top_k": 2}, [0.625, 0.375, 0.0, 0.0]),
+        ({"top_k": 9}, [0.5, 0.3, 0.15, 0.05]),
+        ({"top_p": 0.75}, [0.625, 0.375, 0.0, 0.0]),
+        ({"top_p": 0.85}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+        ({"top_p": 0.01}, [1.0, 0.0, 0.0, 0.0]),
+        ({"min_p": 0.2}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+        ({"top_k": 3, "top_p": 0.6}, [0.625, 0.375, 0.0, 0.0]),
+    ],
+)
+def test_filters_keep_the_documented_tokens(filters, expected):
+    probs = processed_probs(LOGITS, **_params(1, **filters))
+    torch.testing.assert_close(probs, torch.tensor([expected]))
+
+
+def test_top_p_applies_to_the_top_k_distribution():
+    # After top-k=2 the distribution is [0.625, 0.375]: a top-p of 0.6 keeps only the first.
+    probs = processed_probs(LOGITS, **_params(1, top_k=2, top_p=0.6))
+    assert torch.equal(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_rows_are_processed_independently():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+    params = _params(
+        4, temperature=[0.0, 0.7, 1.0, 1.3], top_k=[0, 5, 0, 0], top_p=[1.0, 1.0, 0.9, 1.0], min_p=[0.0, 0.0, 0.0, 0.1]
+    )
+    together = processed_probs(logits, **params)
+    for row in range(4):
+        alone = processed_probs(logits[row : row + 1], **{name: value[row : row + 1] for name, value in params.items()})
+        assert torch.equal(together[row : row + 1], alone)
+        assert abs(float(together[row].sum()) - 1.0) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.5}, "min_p"),
+    ],
+)
+def test_bad_parameters_name_the_field(params, field):
+    with pytest.raises(KernelInputError, match=field):
+        processed_probs(LOGITS, **_params(1, **params))
+
+
+def test_wrong_dtype_or_shape_is_a_clear_error():
+    params = _params(1)
+    with pytest.raises(KernelInputError, match="top_k"):
+        processed_probs(LOGITS, **{**params, "top_k": params["top_k"].int()})
+    with pytest.raises(KernelInputError, match="temperature"):
+        processed_probs(LOGITS, **{**params, "temperature": torch.ones(2)})
+    with pytest.raises(KernelInputError, match="probs"):
+        sample(LOGITS.double(), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(KernelInputError, match="contiguous"):
+        sample(torch.ones(4, 2).t(), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.5, 1.0), (1.0, 1.0), (1.5, 1.0), (1.0, 0.9)])
+def test_sample_draws_from_p(temperature, top_p):
+    trials = 20_000
+    logits = 2 * torch.randn(1, 30, generator=torch.Generator().manual_seed(2))
+    p = processed_probs(logits, **_params(1, temperature=temperature, top_p=top_p))
+    tokens = sample(p.expand(trials, -1).contiguous(), torch.arange(trials), torch.full((trials,), 42))
+    counts = np.bincount(tokens.numpy(), minlength=30)
+    support = p[0].numpy() > 0
+    assert counts[~support].sum() == 0
+    expected = p[0].double().numpy()[support] * trials
+    assert stats.chisquare(counts[support], expected * trials / expected.sum()).pvalue > ALPHA
+
+
+def test_sample_of_a_one_hot_row_is_its_argmax():
+    p = processed_probs(torch.randn(50, 20, generator=torch.Generator().manual_seed(3)), **_params(50, temperature=0.0))
+    assert torch.equal(sample(p, torch.arange(50), torch.arange(50)), p.argmax(dim=1))
+
+
+def test_a_seeded_draw_does_not_depend_on_its_batch():
+    p = torch.softmax(torch.randn(6, 40, generator=torch.Generator().manual_seed(4)), dim=1)
+    seeds, positions = torch.tensor([9, 9, 1, 2, 3, 4]), torch.tensor([100, 101, 5, 6, 7, 8])
+    together = sample(p, seeds, positions)
+    for row in range(6):
+        assert together[row] == sample(p[row : row + 1], seeds[row : row + 1], positions[row : row + 1])[0]
