@@ -1,0 +1,109 @@
+"""The draft service's configuration: one dataclass whose fields are the `draft-service` flags."""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.compression import DEFAULT_TOP_K, MAX_VOCAB
+from tandem.cli_args import add_dataclass_flags, dataclass_from_args
+from tandem.registry import DEFAULT_MODEL
+from tandem.runtime import resolve_dtype
+
+DRAFTER_KINDS = ("model", "ngram")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(slots=True)
+class DraftConfig:
+    host: str = "127.0.0.1"
+    port: int = 50052
+    metrics_port: int = 9092  # 0 turns /metrics off
+    drafter: str = "model"  # one of DRAFTER_KINDS
+    model: str = DEFAULT_MODEL
+    device: str = "cpu"
+    dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
+    threads: int = 1  # torch threads; one core per service by default (DESIGN.md section 7)
+    num_slots: int = 8
+    max_model_len: int = 2048
+    max_k: int = 8
+    probs_top_k: int = DEFAULT_TOP_K
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+    delay_ms: float = 0.0  # testing: simulates a slow drafter
+    grace_seconds: float = 5.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        self.log_level = self.log_level.lower()
+        _check_ranges(self)
+        for name, allowed in (("drafter", DRAFTER_KINDS), ("log_level", LOG_LEVELS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.ngram_min_n > self.ngram_max_n:
+            raise ValueError(f"--ngram-min-n ({self.ngram_min_n}) must not exceed --ngram-max-n ({self.ngram_max_n})")
+        try:
+            resolve_dtype(self.dtype, torch.device(self.device))
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"--device/--dtype: {e}") from None
+
+
+HELP = {
+    "host": "address that gRPC and /metrics bind to",
+    "port": "gRPC port",
+    "metrics_port": "port of the Prometheus /metrics endpoint; 0 turns it off",
+    "drafter": "model (a small model drafts) or ngram (prompt lookup, no model)",
+    "model": "embedded model name (smollm2-135m) or a path to a .gguf file or an HF folder; "
+             "the ngram drafter loads only its tokenizer, to report the vocabulary",
+    "device": "torch device of the draft model: cpu, cuda, cuda:1, ...",
+    "dtype": "auto, float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on CUDA)",
+    "threads": "torch CPU threads; give each service its own cores",
+    "num_slots": "KV slots: sequences drafted at once; further Opens are refused",
+    "max_model_len": "the longest sequence, prompt included, that the drafter holds",
+    "max_k": "the largest k (draft tokens per proposal) that an Open may ask for",
+    "probs_top_k": "K of the compressed draft probabilities sent for sampled requests (model drafter)",
+    "ngram_min_n": "the shortest trailing n-gram that the ngram drafter looks up",
+    "ngram_max_n": "the longest trailing n-gram that the ngram drafter looks up",
+    "delay_ms": "for tests: sleep this long before sending each batch of proposals (a slow drafter)",
+    "grace_seconds": "on SIGTERM, how long the service may take to end its streams and stop",
+    "log_level": "debug, info, warning or error",
+}
+
+_RANGES = {
+    "port": (0, 65535),
+    "metrics_port": (0, 65535),
+    "threads": (1, None),
+    "num_slots": (1, None),
+    "max_model_len": (1, None),
+    "max_k": (1, None),
+    "probs_top_k": (1, MAX_VOCAB),
+    "ngram_min_n": (1, None),
+    "ngram_max_n": (1, None),
+    "delay_ms": (0, None),
+    "grace_seconds": (0, None),
+}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _check_ranges(config: DraftConfig) -> None:
+    for name, (low, high) in _RANGES.items():
+        value = getattr(config, name)
+        if value < low or (high is not None and value > high):
+            bound = f"in [{low}, {high}]" if high is not None else f"at least {low}"
+            raise ValueError(f"--{_flag(name)} must be {bound}, got {value}")
+
+
+def parse_config(argv: Sequence[str] | None = None) -> DraftConfig:
+    """DraftConfig from command-line flags; a value that fails validation exits with usage."""
+    parser = argparse.ArgumentParser(
+        prog="draft-service", description="Tandem's draft service: streams draft tokens to a target service.")
+    add_dataclass_flags(parser, DraftConfig, HELP)
+    try:
+        return dataclass_from_args(DraftConfig, parser.parse_args(argv))
+    except ValueError as e:
+        parser.error(str(e))

@@ -1,0 +1,114 @@
+"""What every drafter implements, and the data the drafting loop hands it.
+
+The drafting loop (scheduler.py) owns the committed tokens of each sequence on the event loop.
+For each round it snapshots the sequences that changed into `DraftJob`s and calls `draft` on the
+drafter's own thread; `open` and `close` run on that same thread, in the order they arrived, so a
+drafter needs no locks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kernels.compression import CompressedProbs, pack
+from tandem.v1 import drafter_pb2
+
+SeqKey = tuple[int, int]  # (stream id, sequence id): sequence ids are per Speculate stream
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How one sequence's drafts are drawn; the target's own sampling parameters."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0  # int64, as the kernels key their draws
+    invariant: bool = False  # drafter-invariant mode: draw with the target's shared noise
+
+    @classmethod
+    def from_proto(cls, msg: drafter_pb2.DraftSampling) -> "Sampling":
+        """Proto3 leaves an unset top_p at 0, which means off; the uint64 seed becomes its int64 bits."""
+        seed = msg.seed - (1 << 64) if msg.seed >= 1 << 63 else msg.seed
+        return cls(msg.temperature, msg.top_k, msg.top_p or 1.0, msg.min_p, seed, msg.drafter_invariant)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def sends_probs(self) -> bool:
+        """Rejection sampling needs q'; greedy and drafter-invariant verification need ids only."""
+        return not self.greedy and not self.invariant
+
+    def problem(self) -> str | None:
+        """Why the kernels would refuse these parameters, or None."""
+        if not (self.temperature >= 0 and self.temperature != float("inf")):
+            return f"temperature {self.temperature} must be finite and >= 0"
+        if not 0 < self.top_p <= 1:
+            return f"top_p {self.top_p} must be in (0, 1]"
+        if not 0 <= self.min_p <= 1:
+            return f"min_p {self.min_p} must be in [0, 1]"
+        return None
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One sequence of one stream, as the target last described it."""
+
+    key: SeqKey
+    tokens: list[int]  # committed tokens, prompt included
+    sampling: Sampling
+    k: int
+    closed: bool = False  # set on the event loop; a running round drops the sequence when it sees it
+
+
+@dataclass(slots=True)
+class DraftJob:
+    """One sequence to draft in a round: its committed prefix at the round's start."""
+
+    sequence: Sequence
+    tokens: list[int]  # a snapshot: the event loop may change sequence.tokens meanwhile
+
+    @property
+    def base_len(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(slots=True)
+class Draft:
+    """Draft tokens for positions base_len.. of one sequence, with q' when the target needs it."""
+
+    key: SeqKey
+    base_len: int
+    token_ids: list[int]
+    probs: bytes = b""  # kernels.compression.pack of q', one row per draft token
+    probs_top_k: int = 0
+
+    def to_proto(self) -> drafter_pb2.DraftProposal:
+        return drafter_pb2.DraftProposal(seq_id=self.key[1], base_len=self.base_len, token_ids=self.token_ids,
+                                         probs=self.probs, probs_top_k=self.probs_top_k)
+
+
+def make_draft(job: DraftJob, token_ids: list[int], compressed: CompressedProbs | None) -> Draft:
+    """A Draft carrying q' (packed) for rejection sampling, or ids only when compressed is None."""
+    if compressed is None:
+        return Draft(job.sequence.key, job.base_len, token_ids)
+    return Draft(job.sequence.key, job.base_len, token_ids, pack(compressed), compressed.k)
+
+
+class Drafter(Protocol):
+    """A source of draft tokens; every method runs on the drafting thread."""
+
+    kind: str  # "model" or "ngram", as Info reports it
+    probs_top_k: int  # K of the q' it sends, as Info reports it
+
+    def open(self, key: SeqKey) -> None:
+        """Reserve per-sequence state (a KV slot)."""
+
+    def close(self, key: SeqKey) -> None:
+        """Free what `open` reserved."""
+
+    def draft(self, jobs: list[DraftJob]) -> list[Draft]:
+        """Up to each sequence's k draft tokens, batched; sequences with nothing to propose are left out."""

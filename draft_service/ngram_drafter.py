@@ -1,0 +1,58 @@
+"""Prompt-lookup drafting: no model, just the tokens that followed the trailing n-gram before.
+
+Its q' is a point mass on the proposed token (K=1, probability ONE), so rejection sampling
+accepts a draft d with probability p(d): lossless, like any other q'.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from draft_service.drafter import Draft, DraftJob, SeqKey, make_draft
+from kernels.compression import ONE, CompressedProbs
+
+
+def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k tokens after the most recent earlier occurrence of the longest trailing n-gram (max_n..min_n)."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+        # Windows of the sequence without its last token: every match has at least one follower.
+        windows = sliding_window_view(seq[:-1], n)  # [len - n, n]
+        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+        if hits.size:
+            follow = int(hits[-1]) + n
+            return seq[follow : follow + k].tolist()
+    return []
+
+
+def point_mass(token_ids: list[int]) -> CompressedProbs:
+    """q' = one-hot on each proposed token: ids [N, 1], fixed [N, 1] = ONE."""
+    ids = torch.tensor(token_ids, dtype=torch.int32)[:, None]
+    return CompressedProbs(ids, torch.full_like(ids, ONE).to(torch.uint16))
+
+
+class NgramDrafter:
+    """Drafts by prompt lookup in each sequence's own tokens; holds no per-sequence state."""
+
+    kind = "ngram"
+    probs_top_k = 1
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def open(self, key: SeqKey) -> None:
+        pass
+
+    def close(self, key: SeqKey) -> None:
+        pass
+
+    def draft(self, jobs: list[DraftJob]) -> list[Draft]:
+        drafts = []
+        for job in jobs:
+            token_ids = lookup(job.tokens, job.sequence.k, self.min_n, self.max_n)
+            if token_ids and not job.sequence.closed:
+                q_prime = point_mass(token_ids) if job.sequence.sampling.sends_probs else None
+                drafts.append(make_draft(job, token_ids, q_prime))
+        return drafts

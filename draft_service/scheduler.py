@@ -1,0 +1,237 @@
+"""The drafting loop: each stream's sequences, the target's updates applied to them, batched rounds.
+
+Updates are applied on the event loop as they arrive; they only edit token lists and mark the
+sequence dirty. One loop task then runs rounds: it snapshots every dirty sequence, drafts them
+all in one batch on the drafter's thread, and queues the proposals on each sequence's stream.
+Updates that arrive during a round make their sequences dirty again, so the next round drafts
+from the newest prefix; a proposal for a prefix that moved on is still sent, since the target
+salvages stale drafts by base_len.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from draft_service.drafter import Draft, Drafter, DraftJob, Sampling, Sequence, SeqKey
+from draft_service.metrics import DraftMetrics
+from tandem.v1 import drafter_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What an Open or Extend must fit."""
+
+    vocab_size: int
+    max_model_len: int
+    max_k: int
+    num_slots: int
+
+
+@dataclass(slots=True)
+class Stream:
+    """One Speculate stream (one target): its sequences, and the messages waiting to be sent."""
+
+    id: int
+    sequences: dict[int, Sequence] = field(default_factory=dict)
+    # Sequences whose Open was refused: their later Extends and Close are dropped without a count.
+    refused: set[int] = field(default_factory=set)
+    outbox: asyncio.Queue[drafter_pb2.DraftProposals | None] = field(default_factory=asyncio.Queue)
+
+
+class InvalidUpdate(ValueError):
+    """An Open, Extend or Close that cannot be applied; `reason` labels the metric."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class SlotOp:
+    """An open or close for the drafter's thread, applied in arrival order before the next round."""
+
+    key: SeqKey
+    opening: bool
+
+
+class DraftScheduler:
+    def __init__(self, drafter: Drafter, metrics: DraftMetrics, limits: Limits, delay_s: float = 0.0):
+        self._drafter = drafter
+        self._metrics = metrics
+        self._limits = limits
+        self._delay_s = delay_s
+        # One thread: forwards never overlap, and the event loop stays free for Info, health and metrics.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        self._streams: dict[int, Stream] = {}
+        self._stream_ids = itertools.count(1)
+        self._num_sequences = 0
+        self._dirty: dict[SeqKey, Sequence] = {}
+        self._slot_ops: list[SlotOp] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="drafting-loop")
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Ends every stream (the targets see it close and reconnect elsewhere); nothing else to finish."""
+        for stream in self._streams.values():
+            stream.outbox.put_nowait(None)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.to_thread(self._executor.shutdown, wait=True)
+
+    def open_stream(self) -> Stream:
+        stream = Stream(next(self._stream_ids))
+        self._streams[stream.id] = stream
+        self._metrics.streams.inc()
+        return stream
+
+    def close_stream(self, stream: Stream) -> None:
+        """The target is gone: free all its sequences."""
+        for sequence in stream.sequences.values():
+            self._release(sequence)
+        stream.sequences.clear()
+        del self._streams[stream.id]
+        self._metrics.streams.dec()
+        self._wake.set()
+
+    def apply(self, stream: Stream, update: drafter_pb2.TargetUpdate) -> None:
+        """Opens, then Extends, then Closes: one update may open, extend and close a sequence."""
+        self._metrics.updates.inc()
+        for kind, messages, handler in (("Open", update.opens, self._open),
+                                        ("Extend", update.extends, self._extend),
+                                        ("Close", update.closes, self._close)):
+            for msg in messages:
+                try:
+                    handler(stream, msg)
+                except InvalidUpdate as e:
+                    self._metrics.count_invalid(e.reason)
+                    log.warning("stream %d: skipped %s of sequence %d: %s", stream.id, kind, msg.seq_id, e)
+        if self._dirty or self._slot_ops:
+            self._wake.set()
+
+    def _open(self, stream: Stream, msg: drafter_pb2.SequenceOpen) -> None:
+        if msg.seq_id in stream.sequences:
+            raise InvalidUpdate("duplicate_seq", "the sequence is already open")
+        sampling = Sampling.from_proto(msg.sampling)
+        try:
+            self._check_open(msg, sampling)
+        except InvalidUpdate:
+            stream.refused.add(msg.seq_id)
+            raise
+        stream.refused.discard(msg.seq_id)
+        sequence = Sequence((stream.id, msg.seq_id), list(msg.prompt_ids), sampling, msg.k)
+        stream.sequences[msg.seq_id] = sequence
+        self._num_sequences += 1
+        self._metrics.sequences.inc()
+        self._slot_ops.append(SlotOp(sequence.key, opening=True))
+        self._dirty[sequence.key] = sequence
+
+    def _check_open(self, msg: drafter_pb2.SequenceOpen, sampling: Sampling) -> None:
+        limits = self._limits
+        if not msg.prompt_ids:
+            raise InvalidUpdate("empty_prompt", "the prompt is empty")
+        if len(msg.prompt_ids) > limits.max_model_len:
+            raise InvalidUpdate("prompt_too_long",
+                                f"{len(msg.prompt_ids)} prompt tokens exceed max_model_len={limits.max_model_len}")
+        if not 1 <= msg.k <= limits.max_k:
+            raise InvalidUpdate("bad_k", f"k={msg.k} is not in [1, max_k={limits.max_k}]")
+        self._check_token_ids(msg.prompt_ids)
+        if (problem := sampling.problem()) is not None:
+            raise InvalidUpdate("bad_sampling", problem)
+        if self._num_sequences >= limits.num_slots:
+            raise InvalidUpdate("no_free_slot", f"all {limits.num_slots} slots are in use")
+
+    def _check_token_ids(self, token_ids: Iterable[int]) -> None:
+        if token_ids and max(token_ids) >= self._limits.vocab_size:
+            raise InvalidUpdate("bad_token_id",
+                                f"token id {max(token_ids)} is outside the vocabulary of {self._limits.vocab_size}")
+
+    def _extend(self, stream: Stream, msg: drafter_pb2.SequenceExtend) -> None:
+        sequence = self._find(stream, msg.seq_id)
+        if sequence is None:
+            return
+        if msg.start > len(sequence.tokens):
+            raise InvalidUpdate("bad_start", f"start={msg.start} is past the sequence's {len(sequence.tokens)} tokens")
+        self._check_token_ids(msg.token_ids)
+        token_ids = list(msg.token_ids)
+        if sequence.tokens[msg.start :] == token_ids:
+            return
+        del sequence.tokens[msg.start :]
+        sequence.tokens.extend(token_ids)
+        self._dirty[sequence.key] = sequence
+
+    def _close(self, stream: Stream, msg: drafter_pb2.SequenceClose) -> None:
+        sequence = self._find(stream, msg.seq_id)
+        stream.refused.discard(msg.seq_id)
+        if sequence is not None:
+            del stream.sequences[msg.seq_id]
+            self._release(sequence)
+
+    def _find(self, stream: Stream, seq_id: int) -> Sequence | None:
+        """The open sequence, None for a refused one; InvalidUpdate for an id never opened."""
+        sequence = stream.sequences.get(seq_id)
+        if sequence is None and seq_id not in stream.refused:
+            raise InvalidUpdate("unknown_seq", "no such open sequence on this stream")
+        return sequence
+
+    def _release(self, sequence: Sequence) -> None:
+        sequence.closed = True
+        self._dirty.pop(sequence.key, None)
+        self._slot_ops.append(SlotOp(sequence.key, opening=False))
+        self._num_sequences -= 1
+        self._metrics.sequences.dec()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            slot_ops, self._slot_ops = self._slot_ops, []
+            # A sequence rolled back to nothing has no prefix to draft from.
+            jobs = [DraftJob(sequence, list(sequence.tokens)) for sequence in self._dirty.values() if sequence.tokens]
+            self._dirty.clear()
+            began = time.perf_counter()
+            try:
+                drafts = await loop.run_in_executor(self._executor, self._round, slot_ops, jobs)
+            except Exception:
+                self._metrics.errors.inc()
+                log.exception("a drafting round of %d sequences failed", len(jobs))
+                continue
+            elapsed = time.perf_counter() - began
+            if jobs:
+                self._metrics.step_duration.observe(elapsed)
+                self._metrics.batch_size.observe(len(jobs))
+            if drafts and self._delay_s:
+                await asyncio.sleep(self._delay_s)
+            self._deliver(jobs, drafts, elapsed)
+
+    def _round(self, slot_ops: list[SlotOp], jobs: list[DraftJob]) -> list[Draft]:
+        """On the drafter's thread: opens and closes in arrival order, then one batched draft."""
+        for op in slot_ops:
+            (self._drafter.open if op.opening else self._drafter.close)(op.key)
+        return self._drafter.draft(jobs) if jobs else []
+
+    def _deliver(self, jobs: list[DraftJob], drafts: list[Draft], elapsed: float) -> None:
+        """One DraftProposals message per stream; drafts of sequences closed meanwhile are dropped."""
+        sequences = {job.sequence.key: job.sequence for job in jobs}
+        by_stream: dict[int, list[drafter_pb2.DraftProposal]] = {}
+        for draft in drafts:
+            if not sequences[draft.key].closed:
+                by_stream.setdefault(draft.key[0], []).append(draft.to_proto())
+                self._metrics.tokens.inc(len(draft.token_ids))
+        for stream_id, proposals in by_stream.items():
+            self._metrics.proposals.inc(len(proposals))
+            message = drafter_pb2.DraftProposals(proposals=proposals, draft_time_ns=int(elapsed * 1e9))
+            self._streams[stream_id].outbox.put_nowait(message)

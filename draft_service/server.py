@@ -1,0 +1,119 @@
+"""The Drafter gRPC service: Info, and Speculate (one long-lived bidirectional stream per target)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from draft_service.config import DraftConfig
+from draft_service.drafter import Drafter
+from draft_service.metrics import DraftMetrics
+from draft_service.model_drafter import ModelDrafter
+from draft_service.ngram_drafter import NgramDrafter
+from draft_service.scheduler import DraftScheduler, Limits, Stream
+from tandem.config import ModelConfig
+from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
+from tandem.registry import resolve_model_path
+from tandem.runtime import load_model, load_tokenizer
+from tandem.tokenizer import Tokenizer
+from tandem.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+@dataclass(slots=True)
+class LoadedDrafter:
+    drafter: Drafter
+    info: drafter_pb2.DrafterInfo
+    metrics: DraftMetrics
+
+
+def load_drafter(config: DraftConfig) -> LoadedDrafter:
+    """The drafter the config names, its Info (vocabulary from the same model) and its metrics."""
+    began = time.perf_counter()
+    metrics = DraftMetrics(config.model)
+    drafter: Drafter
+    if config.drafter == "model":
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                            num_slots=config.num_slots, max_model_len=config.max_model_len)
+        drafter = ModelDrafter(loaded.model, config.probs_top_k, metrics)
+        # The model's logits width: every id it can draft.
+        vocab_size, tokenizer = loaded.config.vocab_size, loaded.tokenizer
+    else:
+        drafter = NgramDrafter(config.ngram_min_n, config.ngram_max_n)
+        path = resolve_model_path(config.model)
+        tokenizer = load_tokenizer(path)
+        vocab_size = model_vocab_size(path, tokenizer)
+    info = drafter_pb2.DrafterInfo(model=config.model, vocab_size=vocab_size,
+                                   tokenizer_fingerprint=tokenizer.fingerprint, max_k=config.max_k,
+                                   kind=drafter.kind, probs_top_k=drafter.probs_top_k)
+    log.info("loaded the %s drafter for %s (vocabulary %d) in %.1f s",
+             drafter.kind, config.model, vocab_size, time.perf_counter() - began)
+    return LoadedDrafter(drafter, info, metrics)
+
+
+def model_vocab_size(path: Path, tokenizer: Tokenizer) -> int:
+    """The logits width of the model at path (what a target checks against), without loading its weights."""
+    if path.is_dir():
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text())).vocab_size
+    return tokenizer.vocab_size  # a GGUF vocabulary is its token list
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, info: drafter_pb2.DrafterInfo, scheduler: DraftScheduler):
+        self._info = info
+        self._scheduler = scheduler
+
+    async def Info(self, request: drafter_pb2.DrafterInfoRequest, context) -> drafter_pb2.DrafterInfo:
+        return self._info
+
+    async def Speculate(
+        self, request_iterator: AsyncIterator[drafter_pb2.TargetUpdate], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[drafter_pb2.DraftProposals]:
+        stream = self._scheduler.open_stream()
+        log.info("stream %d opened by %s", stream.id, context.peer())
+        reader = asyncio.create_task(self._read_updates(request_iterator, stream))
+        try:
+            while (message := await stream.outbox.get()) is not None:
+                yield message
+        finally:
+            reader.cancel()
+            self._scheduler.close_stream(stream)
+            log.info("stream %d closed", stream.id)
+
+    async def _read_updates(self, updates: AsyncIterator[drafter_pb2.TargetUpdate], stream: Stream) -> None:
+        """Applies updates until the target stops sending; then the response stream ends too."""
+        try:
+            async for update in updates:
+                self._scheduler.apply(stream, update)
+        except Exception:
+            log.exception("stream %d: reading updates failed", stream.id)
+        finally:
+            stream.outbox.put_nowait(None)
+
+
+async def serve(config: DraftConfig) -> None:
+    """Loads the drafter, serves until SIGTERM/SIGINT, then ends the streams and stops."""
+    loaded = load_drafter(config)
+    limits = Limits(vocab_size=loaded.info.vocab_size, max_model_len=config.max_model_len,
+                    max_k=config.max_k, num_slots=config.num_slots)
+    scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits, delay_s=config.delay_ms / 1000)
+    servicer = DrafterServicer(loaded.info, scheduler)
+    options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
+                            grace_seconds=config.grace_seconds)
+    scheduler.start()
+    try:
+        running = await start_server(
+            options, lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server),
+            [SERVICE_NAME], loaded.metrics.registry)
+        await serve_until_signal(running, config.grace_seconds, scheduler.drain)
+    finally:
+        await scheduler.stop()

@@ -1,0 +1,66 @@
+"""`tandem generate`: stream a generation from a target service to the terminal."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from tandem.client import chat_request, generate, open_channel
+from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem client")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="stream one generation")
+    gen.add_argument("prompt", help="the prompt, or the user message with --chat")
+    gen.add_argument("--target", default="127.0.0.1:50051", help="host:port of the target service")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--system", default="", help="a system message (with --chat)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
+    gen.add_argument("--no-speculate", action="store_true", help="turn speculation off for this request")
+    gen.add_argument("--num-speculative-tokens", type=int, default=None)
+    return parser
+
+
+def _request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                    max_tokens=args.max_tokens, stop=args.stop, speculate=not args.no_speculate)
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    if args.num_speculative_tokens is not None:
+        sampling["num_speculative_tokens"] = args.num_speculative_tokens
+    if args.chat:
+        return chat_request(args.prompt, system=args.system, **sampling)
+    return generation_pb2.GenerateRequest(prompt=args.prompt,
+                                          sampling_params=generation_pb2.SamplingParams(**sampling))
+
+
+async def run_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    async with open_channel(args.target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            result = await generate(stub, _request(args), on_text=lambda t: print(t, end="", flush=True))
+        except grpc.aio.AioRpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    print()
+    print(result.summary())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    sys.exit(asyncio.run(run_generate(args)))
+
+
+if __name__ == "__main__":
+    main()

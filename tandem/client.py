@@ -1,0 +1,93 @@
+"""A client of the public Generation API: one streamed request, with what a user measures of it."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+FINISH_NAMES = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_steps: int = 0
+    ttft: float = 0.0  # seconds from sending to the first token
+    token_times: list[float] = field(default_factory=list)  # arrival of each token, from sending
+    elapsed: float = 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first, over the time after the first: what speculation speeds up."""
+        span = self.elapsed - self.ttft
+        return (len(self.token_ids) - 1) / span if span > 0 and len(self.token_ids) > 1 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.accepted_tokens / self.draft_steps if self.draft_steps else 1.0
+
+    def summary(self) -> str:
+        return (f"TTFT {self.ttft * 1000:.0f} ms · {len(self.token_ids)} tokens · "
+                f"{self.decode_tokens_per_second:.1f} tok/s · acceptance {self.acceptance_rate:.0%} · "
+                f"mean acceptance length {self.mean_acceptance_length:.2f} · finish {self.finish_reason}")
+
+
+async def generate(
+    stub: generation_pb2_grpc.GenerationStub,
+    request: generation_pb2.GenerateRequest,
+    on_text: Callable[[str], None] | None = None,
+    timeout: float | None = None,
+) -> GenerationResult:
+    result = GenerationResult()
+    start = time.perf_counter()
+    async for response in stub.Generate(request, timeout=timeout):
+        now = time.perf_counter() - start
+        if response.token_ids and not result.token_ids:
+            result.ttft = now
+        result.token_ids.extend(response.token_ids)
+        result.token_times.extend([now] * len(response.token_ids))
+        result.text += response.text
+        if on_text is not None and response.text:
+            on_text(response.text)
+        if response.finish_reason:
+            result.finish_reason = FINISH_NAMES[response.finish_reason]
+            usage = response.usage
+            result.prompt_tokens = usage.prompt_tokens
+            result.draft_tokens = usage.draft_tokens
+            result.accepted_tokens = usage.accepted_tokens
+            result.draft_steps = usage.draft_steps
+    result.elapsed = time.perf_counter() - start
+    return result
+
+
+def chat_request(
+    content: str, *, system: str = "", model: str = "", **sampling
+) -> generation_pb2.GenerateRequest:
+    messages = ([generation_pb2.ChatMessage(role="system", content=system)] if system else [])
+    messages.append(generation_pb2.ChatMessage(role="user", content=content))
+    return generation_pb2.GenerateRequest(
+        chat=generation_pb2.ChatMessages(messages=messages),
+        sampling_params=generation_pb2.SamplingParams(**sampling),
+        model=model,
+    )
+
+
+def open_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address)

@@ -1,0 +1,111 @@
+"""What both services' gRPC servers share: uvloop, health, reflection, metrics, limits, SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9090  # 0 turns the /metrics endpoint off
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_seconds: float = 30.0
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Explicit message limits, and keepalives so that a dead peer is noticed."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def set_torch_threads(threads: int) -> None:
+    """One service per core by default: two busy services on two cores must not oversubscribe."""
+    torch.set_num_threads(max(1, threads))
+
+
+def install_event_loop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+@dataclass(slots=True)
+class RunningServer:
+    server: grpc.aio.Server
+    health: health_aio.HealthServicer
+    service_names: list[str]
+    port: int
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+
+async def start_server(
+    options: ServerOptions,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: list[str],
+    registry: CollectorRegistry | None,
+) -> RunningServer:
+    """Starts gRPC (with health and reflection) and the /metrics HTTP endpoint."""
+    server = grpc.aio.server(options=channel_options(options.max_message_bytes))
+    register(server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if port == 0:
+        raise OSError(f"cannot bind gRPC to {options.host}:{options.port}")
+    await server.start()
+    if options.metrics_port and registry is not None:
+        start_http_server(options.metrics_port, addr=options.host, registry=registry)
+    running = RunningServer(server=server, health=health, service_names=service_names, port=port)
+    await running.set_serving(True)
+    log.info("serving %s on %s:%d", ", ".join(service_names), options.host, port)
+    return running
+
+
+async def serve_until_signal(
+    running: RunningServer,
+    grace_seconds: float,
+    drain: Callable[[float], Awaitable[None]],
+) -> None:
+    """Runs until SIGTERM/SIGINT, then: health NOT_SERVING, drain within the grace period, stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining for up to %.1f s", grace_seconds)
+    await running.set_serving(False)
+    await drain(grace_seconds)
+    await running.server.stop(grace_seconds)

@@ -1,0 +1,80 @@
+"""Starting the services as real processes on loopback: for the demo, the tests and the benchmarks."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServiceProcess:
+    """A service started as `python -m module --port ... --metrics-port ... args`."""
+
+    module: str
+    args: list[str] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    log_path: Path | None = None
+    process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self) -> "ServiceProcess":
+        cmd = [sys.executable, "-m", self.module, "--port", str(self.port),
+               "--metrics-port", str(self.metrics_port), *self.args]
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def wait_healthy(self, timeout: float = 120.0) -> "ServiceProcess":
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.module} exited with {self.process.returncode}; see {self.log_path}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"{self.module} on {self.address} was not healthy within {timeout:.0f} s")
+
+    def terminate(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited in time; returns the exit code."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

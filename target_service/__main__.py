@@ -1,0 +1,44 @@
+"""`target-service`: serve a model to clients, verifying drafts from a draft service."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from target_service.config import TargetConfig
+from tandem.cli_args import add_dataclass_flags, dataclass_from_args
+from tandem.grpc_server import install_event_loop, set_torch_threads
+
+HELP = {
+    "model": "embedded model name (smollm2-135m) or a path to a .gguf file or an HF folder",
+    "metrics_port": "port of the Prometheus /metrics endpoint; 0 turns it off",
+    "dtype": "auto, float32 or bfloat16 (auto: float32 on CPU, bfloat16 on CUDA)",
+    "threads": "torch CPU threads; give each service its own cores",
+    "max_num_seqs": "running sequences, each holding one KV-cache slot",
+    "max_queue": "waiting requests beyond which new ones get RESOURCE_EXHAUSTED",
+    "drafter": "host:port of a draft service; empty serves without speculation",
+    "draft_wait_ms": "the most a step waits for late drafts; 0 never waits",
+    "sync_speculation": "wait for the drafter every step (the blocking baseline, for benchmarks)",
+    "grace_seconds": "on SIGTERM, how long running requests may take to finish",
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="target-service", description=__doc__)
+    add_dataclass_flags(parser, TargetConfig, HELP)
+    config = dataclass_from_args(TargetConfig, parser.parse_args(argv))
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_torch_threads(config.threads)
+    install_event_loop()
+    asyncio.run(_serve(config))
+
+
+async def _serve(config: TargetConfig) -> None:
+    """Imported here so that --help answers without loading torch."""
+    from target_service.server import serve
+
+    await serve(config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""The target service's configuration: one field per CLI flag."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class TargetConfig:
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9091  # 0 turns /metrics off
+    device: str = "cpu"
+    dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
+    threads: int = 1  # torch threads; one core per service by default (DESIGN.md section 7)
+    max_num_seqs: int = 8  # running sequences, one KV slot each
+    max_model_len: int = 2048
+    max_queue: int = 64  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
+    drafter: str = ""  # host:port of the draft service; empty serves without speculation
+    num_speculative_tokens: int = 4
+    draft_wait_ms: float = 3.0  # the most a step waits for drafts; 0 never waits
+    sync_speculation: bool = False  # wait for each step's drafts (the pre-non-blocking baseline)
+    reconnect_max_seconds: float = 5.0
+    grace_seconds: float = 30.0
+    max_message_bytes: int = 16 * 1024 * 1024
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        positive = {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
+                    "threads": self.threads, "max_message_bytes": self.max_message_bytes}
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        non_negative = {"max_queue": self.max_queue, "num_speculative_tokens": self.num_speculative_tokens,
+                        "draft_wait_ms": self.draft_wait_ms, "grace_seconds": self.grace_seconds}
+        for name, value in non_negative.items():
+            if value < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")

@@ -1,0 +1,16 @@
+"""Errors that end one request with a gRPC status, never the server."""
+from __future__ import annotations
+
+import grpc
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(field: str, problem: str) -> RequestError:
+    """INVALID_ARGUMENT whose message names the field to fix."""
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")

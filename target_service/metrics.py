@@ -1,0 +1,60 @@
+"""The target's Prometheus metrics (DESIGN.md section 4), in a registry of their own."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# 1 ms upwards, roughly doubling: resolves CPU decode steps and GPU TTFT alike.
+LATENCY_BUCKETS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
+                   1.024, 2.048, 4.096, 8.192, 16.384, 32.768, 65.536)
+ACCEPTANCE_BUCKETS = tuple(range(0, 17))
+
+
+class TargetMetrics:
+    def __init__(self, model: str):
+        self.registry = CollectorRegistry()
+        labels = {"model": model, "service": "target"}
+        names = list(labels)
+
+        def bind(metric, extra: tuple[str, ...]):
+            """Metrics without extra labels come bound to model and service; the rest via `child`."""
+            return metric if extra else metric.labels(**labels)
+
+        def histogram(name: str, doc: str, buckets=LATENCY_BUCKETS, extra: tuple[str, ...] = ()):
+            return bind(Histogram(name, doc, names + list(extra), buckets=buckets, registry=self.registry), extra)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
+            return bind(Counter(name, doc, names + list(extra), registry=self.registry), extra)
+
+        def gauge(name: str, doc: str):
+            return bind(Gauge(name, doc, names, registry=self.registry), ())
+
+        self.ttft = histogram("tandem_time_to_first_token_seconds", "Arrival to first token sent.")
+        self.itl = histogram("tandem_inter_token_latency_seconds", "Time between tokens sent to a client.")
+        self.e2e = histogram("tandem_e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue_time = histogram("tandem_request_queue_time_seconds", "Arrival to admission.")
+        self.step = histogram("tandem_step_duration_seconds", "Model step time by kind.", extra=("kind",))
+        self.draft_rtt = histogram("tandem_draft_rtt_seconds", "Update sent to the drafter until its proposal arrived.")
+        self.acceptance_length = histogram(
+            "tandem_acceptance_length", "Tokens emitted per verify step (accepted + 1).", buckets=ACCEPTANCE_BUCKETS
+        )
+        self.prompt_tokens = counter("tandem_prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("tandem_generation_tokens", "Tokens generated.")
+        self.request_success = counter("tandem_request_success", "Finished requests.", extra=("finish_reason",))
+        self.num_drafts = counter("tandem_spec_decode_num_drafts", "Verify steps run with at least one draft.")
+        self.num_draft_tokens = counter("tandem_spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted_tokens = counter("tandem_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter(
+            "tandem_spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position.", extra=("position",)
+        )
+        self.draft_miss = counter("tandem_draft_miss", "Steps where a speculating sequence had no usable draft.")
+        self.draft_stale = counter("tandem_draft_stale", "Stale proposals by outcome.", extra=("outcome",))
+        self.draft_rejected = counter("tandem_draft_rejected_proposals", "Invalid proposals dropped.", extra=("reason",))
+        self.draft_wire_bytes = counter("tandem_draft_wire_bytes", "Bytes of proposals received from the drafter.")
+        self.running = gauge("tandem_num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("tandem_num_requests_waiting", "Requests waiting for admission.")
+        self.drafter_connected = gauge("tandem_drafter_connected", "1 while a compatible drafter is connected.")
+        self._labels = labels
+
+    def child(self, metric, **extra: str):
+        """The child of a metric with extra labels (step kind, finish reason, position, ...)."""
+        return metric.labels(**self._labels, **extra)

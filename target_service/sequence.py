@@ -1,0 +1,98 @@
+"""A request's state while the target serves it: tokens, KV slot, drafts, output stream."""
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from kernels.compression import CompressedProbs
+from tandem.detokenizer import IncrementalDetokenizer
+from target_service.stops import StopChecker
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """A request's validated sampling parameters, with defaults filled in."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    max_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+    skip_special_tokens: bool
+    speculate: bool
+    num_speculative_tokens: int
+    drafter_invariant: bool
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_draft_probs(self) -> bool:
+        """Rejection sampling needs q'; greedy and drafter-invariant verification need ids only."""
+        return not self.greedy and not self.drafter_invariant
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """Validated drafts: tokens[i] is a guess for position base_len + i."""
+
+    base_len: int
+    tokens: tuple[int, ...]
+    probs: CompressedProbs | None  # [len(tokens), K] q' rows; None when ids suffice
+    received_at: float
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """One message for the client's stream."""
+
+    token_ids: list[int]
+    text: str
+    num_accepted: int
+    finish: FinishReason | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    options: SamplingOptions
+    arrival: float
+    detokenizer: IncrementalDetokenizer
+    stops: StopChecker
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    token_ids: list[int] = field(default_factory=list)  # prompt + committed
+    slot: int | None = None
+    proposal: Proposal | None = None
+    drafter_len: int = 0  # committed tokens the drafter has been told about
+    drafter_sent_at: float | None = None  # when the drafter was last told, for the draft RTT
+    draft_tokens: int = 0
+    draft_steps: int = 0
+    accepted_tokens: int = 0
+    admitted_at: float | None = None
+    last_token_at: float | None = None
+    finish: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.options.max_tokens - self.num_generated

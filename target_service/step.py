@@ -1,0 +1,180 @@
+"""The model work of one target step, run on the executor thread over snapshots of sequence state.
+
+Prefill: each new prompt is run and its first token sampled at position len(prompt).
+Verify: a sequence with committed tokens x[0..n-1] has KV for n-1 of them; it runs
+[x[n-1], d1..dk] at positions n-1..n-1+k, so k+1 rows of p, and emits accepted drafts plus one
+recovered or bonus token. With no drafts (k = 0) this is a plain decode step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.compression import ONE, CompressedProbs
+from kernels.gumbel import verify_invariant
+from kernels.rejection import rejection_sample
+from kernels.sampling import processed_probs, sample
+from target_service.drafts import UsableDrafts
+from target_service.sequence import SamplingOptions
+from tandem.model.batch import SequenceChunk
+from tandem.model.llama import LlamaModel
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillItem:
+    slot: int
+    prompt_ids: list[int]
+    options: SamplingOptions
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyItem:
+    slot: int
+    length: int  # n, the committed length
+    last_token: int
+    drafts: UsableDrafts | None
+    options: SamplingOptions
+
+    @property
+    def num_drafts(self) -> int:
+        return 0 if self.drafts is None else len(self.drafts.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    tokens: list[int]  # accepted drafts, then the recovered or bonus token
+    num_accepted: int
+
+
+class StepRunner:
+    def __init__(self, model: LlamaModel):
+        self.model = model
+        self.device = model.device
+        self.vocab_size = model.config.vocab_size
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One prefill, decode and verify before serving, so the first request pays no one-time costs."""
+        slot = self.model.kv_cache.allocate()
+        try:
+            self.model.run([SequenceChunk(slot=slot, start=0, token_ids=[0] * 32)])
+            self.model.run([SequenceChunk(slot=slot, start=32, token_ids=[0])])
+            self.model.run([SequenceChunk(slot=slot, start=33, token_ids=[0] * 5, num_logits=5)])
+        finally:
+            self.model.kv_cache.free(slot)
+
+    @torch.inference_mode()
+    def prefill(self, items: list[PrefillItem]) -> list[int]:
+        chunks = [SequenceChunk(slot=i.slot, start=0, token_ids=i.prompt_ids) for i in items]
+        logits = self.model.run(chunks)  # [B, vocab]
+        options = [i.options for i in items]
+        probs = self._probs(logits, options)
+        positions = [len(i.prompt_ids) for i in items]
+        return sample(probs, self._seeds(options), self._long(positions)).tolist()
+
+    @torch.inference_mode()
+    def verify(self, items: list[VerifyItem]) -> list[Verified]:
+        chunks = [
+            SequenceChunk(
+                slot=i.slot,
+                start=i.length - 1,
+                token_ids=[i.last_token, *(i.drafts.tokens if i.drafts else ())],
+                num_logits=i.num_drafts + 1,
+            )
+            for i in items
+        ]
+        logits = self.model.run(chunks)  # [sum(k_i + 1), vocab]
+        row_options = [i.options for i in items for _ in range(i.num_drafts + 1)]
+        probs = self._probs(logits, row_options)
+        results: list[Verified | None] = [None] * len(items)
+        invariant = [b for b, i in enumerate(items) if i.options.drafter_invariant]
+        standard = [b for b, i in enumerate(items) if not i.options.drafter_invariant]
+        for group, verify in ((standard, self._rejection), (invariant, self._invariant)):
+            if group:
+                rows = self._rows_of(items, group)
+                for b, verified in zip(group, verify([items[b] for b in group], probs[rows])):
+                    results[b] = verified
+        return results
+
+    def _rejection(self, items: list[VerifyItem], probs: torch.Tensor) -> list[Verified]:
+        result = rejection_sample(
+            probs,
+            self._draft_tokens(items),
+            self._cu_num_drafts(items),
+            self._draft_probs(items),
+            torch.tensor([i.options.greedy for i in items], dtype=torch.bool, device=self.device),
+            self._seeds([i.options for i in items]),
+            self._long([i.length for i in items]),
+        )
+        return _unpack(result.tokens, result.num_accepted)
+
+    def _invariant(self, items: list[VerifyItem], probs: torch.Tensor) -> list[Verified]:
+        result = verify_invariant(
+            probs,
+            self._draft_tokens(items),
+            self._cu_num_drafts(items),
+            self._seeds([i.options for i in items]),
+            self._long([i.length for i in items]),
+        )
+        return _unpack(result.tokens, result.num_accepted)
+
+    def _probs(self, logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
+        """p [rows, vocab]: the target's processed distribution, one-hot for greedy rows."""
+        f32 = dict(dtype=torch.float32, device=self.device)
+        return processed_probs(
+            logits,
+            torch.tensor([o.temperature for o in options], **f32),
+            self._long([o.top_k for o in options]),
+            torch.tensor([o.top_p for o in options], **f32),
+            torch.tensor([o.min_p for o in options], **f32),
+        )
+
+    def _draft_tokens(self, items: list[VerifyItem]) -> torch.Tensor:
+        return self._long([t for i in items if i.drafts for t in i.drafts.tokens])
+
+    def _cu_num_drafts(self, items: list[VerifyItem]) -> torch.Tensor:
+        return torch.cumsum(self._long([i.num_drafts for i in items]), dim=0)
+
+    def _draft_probs(self, items: list[VerifyItem]) -> CompressedProbs:
+        """q' rows for every draft, [D, K]; requests verified by ids alone get ignored point masses."""
+        width = max((i.drafts.probs.k for i in items if i.drafts and i.drafts.probs is not None), default=1)
+        ids, fixed = [], []
+        for item in items:
+            if item.drafts is None:
+                continue
+            if item.drafts.probs is not None:
+                ids.append(item.drafts.probs.ids)
+                fixed.append(item.drafts.probs.fixed)
+            else:
+                tokens = torch.tensor(item.drafts.tokens, dtype=torch.int32)
+                ids.append((tokens[:, None] + torch.arange(width, dtype=torch.int32)) % self.vocab_size)
+                point = torch.zeros(len(tokens), width, dtype=torch.int32)
+                point[:, 0] = ONE
+                fixed.append(point.to(torch.uint16))
+        if not ids:
+            return CompressedProbs(
+                torch.zeros(0, width, dtype=torch.int32, device=self.device),
+                torch.zeros(0, width, dtype=torch.uint16, device=self.device),
+            )
+        return CompressedProbs(torch.cat(ids).to(self.device), torch.cat(fixed).to(self.device))
+
+    def _rows_of(self, items: list[VerifyItem], group: list[int]) -> torch.Tensor:
+        starts, offset = [], 0
+        for item in items:
+            starts.append(offset)
+            offset += item.num_drafts + 1
+        rows = [r for b in group for r in range(starts[b], starts[b] + items[b].num_drafts + 1)]
+        return self._long(rows)
+
+    def _seeds(self, options: list[SamplingOptions]) -> torch.Tensor:
+        return self._long([o.seed for o in options])
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def _unpack(tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[Verified]:
+    """One host sync for the whole batch."""
+    rows, counts = tokens.tolist(), num_accepted.tolist()
+    return [Verified(tokens=row[: n + 1], num_accepted=n) for row, n in zip(rows, counts)]

@@ -1,0 +1,39 @@
+"""Stop tokens and stop strings, applied token by token so a sequence ends where the target alone ends."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StopChecker:
+    """Holds back text that could still become a stop string, and finds where to cut."""
+
+    stop_strings: tuple[str, ...]
+    stop_token_ids: frozenset[int]
+    _pending: str = field(default="", init=False)
+
+    @property
+    def _hold_back(self) -> int:
+        return max((len(s) for s in self.stop_strings), default=1) - 1
+
+    def is_stop_token(self, token: int) -> bool:
+        return token in self.stop_token_ids
+
+    def add_text(self, delta: str) -> tuple[str, bool]:
+        """Returns the text safe to send now, and whether a stop string ended the sequence."""
+        self._pending += delta
+        if not self.stop_strings:
+            text, self._pending = self._pending, ""
+            return text, False
+        cut = min((i for i in (self._pending.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+        if cut >= 0:
+            text, self._pending = self._pending[:cut], ""
+            return text, True
+        safe = max(0, len(self._pending) - self._hold_back)
+        text, self._pending = self._pending[:safe], self._pending[safe:]
+        return text, False
+
+    def flush(self) -> str:
+        """The held-back text, once the sequence ends for another reason."""
+        text, self._pending = self._pending, ""
+        return text

@@ -1,0 +1,118 @@
+"""A GenerateRequest, checked field by field: prompt ids and SamplingOptions, or INVALID_ARGUMENT."""
+from __future__ import annotations
+
+import math
+
+from kernels.random import fresh_seed
+from target_service.config import TargetConfig
+from target_service.errors import invalid
+from target_service.sequence import SamplingOptions
+from tandem.tokenizer import Tokenizer, TokenizerError
+from tandem.v1 import generation_pb2
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_SPECULATIVE_TOKENS = 16
+MAX_TEMPERATURE = 100.0
+_SEED_MASK = (1 << 63) - 1  # seeds travel as uint64; the kernels key on non-negative int64
+_CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def prompt_ids_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        if not request.prompt:
+            raise invalid("prompt", "must not be empty")
+        ids = tokenizer.encode(request.prompt)
+    elif kind == "prompt_token_ids":
+        ids = list(request.prompt_token_ids.ids)
+        bad = [i for i in ids if i >= vocab_size]
+        if bad:
+            raise invalid("prompt_token_ids", f"id {bad[0]} is outside the vocabulary of {vocab_size}")
+    elif kind == "chat":
+        ids = _chat_ids(request.chat, tokenizer)
+    else:
+        raise invalid("input", "set one of prompt, prompt_token_ids or chat")
+    if not ids:
+        raise invalid(kind, "encodes to no tokens")
+    return ids
+
+
+def _chat_ids(chat: generation_pb2.ChatMessages, tokenizer: Tokenizer) -> list[int]:
+    if not chat.messages:
+        raise invalid("chat.messages", "must not be empty")
+    for index, message in enumerate(chat.messages):
+        if message.role not in _CHAT_ROLES:
+            raise invalid(f"chat.messages[{index}].role", f"{message.role!r} is not one of {', '.join(_CHAT_ROLES)}")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    try:
+        return tokenizer.encode_chat(messages)
+    except TokenizerError as err:
+        raise invalid("chat", str(err)) from err
+
+
+def sampling_options(
+    params: generation_pb2.SamplingParams, prompt_len: int, config: TargetConfig, vocab_size: int
+) -> SamplingOptions:
+    room = config.max_model_len - prompt_len
+    if room < 1:
+        raise invalid("prompt", f"has {prompt_len} tokens; max_model_len is {config.max_model_len}, "
+                                "which leaves no room to generate")
+    temperature = params.temperature if params.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise invalid("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
+    top_p = params.top_p if params.HasField("top_p") else 1.0
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise invalid("top_p", f"must be in (0, 1], got {top_p}")
+    min_p = params.min_p if params.HasField("min_p") else 0.0
+    if not math.isfinite(min_p) or not 0 <= min_p <= 1:
+        raise invalid("min_p", f"must be in [0, 1], got {min_p}")
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else room
+    if max_tokens < 1:
+        raise invalid("max_tokens", "must be at least 1")
+    if max_tokens > room:
+        raise invalid("max_tokens", f"{max_tokens} plus the prompt's {prompt_len} tokens exceed "
+                                    f"max_model_len {config.max_model_len}")
+    _check_stops(params, vocab_size)
+    k = params.num_speculative_tokens if params.HasField("num_speculative_tokens") else config.num_speculative_tokens
+    if k > MAX_SPECULATIVE_TOKENS:
+        raise invalid("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}")
+    return SamplingOptions(
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=params.top_k if params.top_k < vocab_size else 0,
+        min_p=float(min_p),
+        seed=(params.seed & _SEED_MASK) if params.HasField("seed") else fresh_seed(),
+        max_tokens=max_tokens,
+        stop=tuple(params.stop),
+        stop_token_ids=frozenset(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+        speculate=params.speculate if params.HasField("speculate") else True,
+        num_speculative_tokens=k,
+        drafter_invariant=params.drafter_invariant,
+    )
+
+
+def _check_stops(params: generation_pb2.SamplingParams, vocab_size: int) -> None:
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
+    for index, stop in enumerate(params.stop):
+        if not stop or len(stop) > MAX_STOP_STRING_CHARS:
+            raise invalid(f"stop[{index}]", f"must have 1 to {MAX_STOP_STRING_CHARS} characters")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise invalid("stop_token_ids", f"id {bad[0]} is outside the vocabulary of {vocab_size}")
+
+
+def validate_request(
+    request: generation_pb2.GenerateRequest,
+    tokenizer: Tokenizer,
+    config: TargetConfig,
+    model_name: str,
+    vocab_size: int,
+) -> tuple[list[int], SamplingOptions]:
+    if request.model and request.model != model_name:
+        raise invalid("model", f"{request.model!r} is not served here; this server serves {model_name!r}")
+    ids = prompt_ids_of(request, tokenizer, vocab_size)
+    return ids, sampling_options(request.sampling_params, len(ids), config, vocab_size)

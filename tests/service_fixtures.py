@@ -1,0 +1,82 @@
+"""Helpers for tests that run the services as real processes on loopback."""
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+
+import grpc
+
+from tandem.client import GenerationResult, generate
+from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "List three fruits that are red.",
+    "Explain photosynthesis in one sentence.",
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Summarize: Tandem splits speculative decoding into a target service and a draft service.",
+]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of a /metrics page, keyed by 'name{labels}' exactly as exposed."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    return samples
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sum over samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for key, value in samples.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += value
+    return total
+
+
+def greedy_request(prompt: str, max_tokens: int, **extra) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        chat=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content=prompt)]),
+        sampling_params=generation_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra),
+    )
+
+
+def run_requests(address: str, requests: list[generation_pb2.GenerateRequest], timeout: float = 300.0,
+                 concurrency: int = 64) -> list[GenerationResult]:
+    """Sends the requests over one channel, at most `concurrency` at a time, and waits for all."""
+
+    async def main() -> list[GenerationResult]:
+        limit = asyncio.Semaphore(concurrency)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def one(request: generation_pb2.GenerateRequest) -> GenerationResult:
+                async with limit:
+                    return await generate(stub, request, timeout=timeout)
+
+            return await asyncio.gather(*(one(r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def call_error(address: str, request: generation_pb2.GenerateRequest) -> grpc.RpcError:
+    """The error a request ends with (the test fails if it succeeds)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            list(stub.Generate(request, timeout=60))
+        except grpc.RpcError as err:
+            return err
+    raise AssertionError("the request succeeded; an error was expected")

@@ -1,0 +1,61 @@
+"""The drafting loop in-process, with the n-gram drafter: coalescing, closes, the test delay."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from draft_service.metrics import DraftMetrics
+from draft_service.ngram_drafter import NgramDrafter
+from draft_service.scheduler import DraftScheduler, Limits
+from tandem.v1 import drafter_pb2 as pb
+
+LIMITS = Limits(vocab_size=100, max_model_len=64, max_k=4, num_slots=2)
+PROMPT = [1, 2, 3, 4, 1, 2]
+
+
+@pytest.fixture
+async def scheduler():
+    scheduler = DraftScheduler(NgramDrafter(1, 4), DraftMetrics("test"), LIMITS, delay_s=0.3)
+    scheduler.start()
+    yield scheduler
+    await scheduler.stop()
+
+
+def _update(opens=(), extends=(), closes=()) -> pb.TargetUpdate:
+    return pb.TargetUpdate(opens=[pb.SequenceOpen(seq_id=i, prompt_ids=p, k=4) for i, p in opens],
+                           extends=[pb.SequenceExtend(seq_id=i, start=s, token_ids=t) for i, s, t in extends],
+                           closes=[pb.SequenceClose(seq_id=i) for i in closes])
+
+
+async def test_updates_before_a_round_coalesce_into_the_newest_prefix(scheduler):
+    stream = scheduler.open_stream()
+    began = time.monotonic()
+    scheduler.apply(stream, _update(opens=[(1, PROMPT)]))
+    scheduler.apply(stream, _update(extends=[(1, 6, [3])]))
+    message = await asyncio.wait_for(stream.outbox.get(), 10)
+    assert time.monotonic() - began >= 0.3  # --delay-ms, before sending
+    assert message.draft_time_ns < 0.3e9  # ... and not counted as drafting time
+    [proposal] = message.proposals
+    assert (proposal.seq_id, proposal.base_len, list(proposal.token_ids)) == (1, 7, [4, 1, 2, 3])
+    assert stream.outbox.empty()
+
+
+async def test_a_sequence_closed_before_its_round_gets_no_proposal(scheduler):
+    stream = scheduler.open_stream()
+    scheduler.apply(stream, _update(opens=[(1, PROMPT), (2, PROMPT)], closes=[1]))
+    [proposal] = (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
+    assert proposal.seq_id == 2
+    scheduler.apply(stream, _update(opens=[(3, PROMPT)]))  # sequence 1's slot is free again
+    assert [p.seq_id for p in (await asyncio.wait_for(stream.outbox.get(), 10)).proposals] == [3]
+
+
+async def test_closing_a_stream_frees_its_sequences(scheduler):
+    first, second = scheduler.open_stream(), scheduler.open_stream()
+    scheduler.apply(first, _update(opens=[(1, PROMPT), (2, PROMPT)]))
+    scheduler.close_stream(first)
+    scheduler.apply(second, _update(opens=[(1, PROMPT), (2, PROMPT)]))  # both slots are free again
+    proposals = (await asyncio.wait_for(second.outbox.get(), 10)).proposals
+    assert sorted(p.seq_id for p in proposals) == [1, 2]
+    assert first.outbox.empty()

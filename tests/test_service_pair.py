@@ -1,0 +1,151 @@
+"""The pair as real processes on loopback: greedy identity, TTFT under a slow drafter, drafter faults."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+
+from service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape
+from tandem.launch import ServiceProcess
+
+MAX_TOKENS = 24
+
+
+def _pair(tmp_path_factory, name: str, draft_args: list[str], target_args: list[str] = ()):
+    logs = tmp_path_factory.mktemp(name)
+    draft = ServiceProcess("draft_service", ["--threads", "1", "--max-model-len", "512", *draft_args],
+                           log_path=logs / "draft.log").start()
+    target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--drafter",
+                                               draft.address, *target_args], log_path=logs / "target.log").start()
+    draft.wait_healthy()
+    target.wait_healthy()
+    _wait_connected(target)
+    return draft, target
+
+
+def _wait_connected(target: ServiceProcess, connected: bool = True, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(scrape(target.metrics_url), "tandem_drafter_connected") == float(connected):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"tandem_drafter_connected did not become {int(connected)}")
+
+
+@pytest.fixture(scope="module")
+def ngram_pair(tmp_path_factory):
+    draft, target = _pair(tmp_path_factory, "ngram", ["--drafter", "ngram"])
+    yield draft, target
+    target.kill()
+    draft.kill()
+
+
+@pytest.fixture(scope="module")
+def model_pair(tmp_path_factory):
+    draft, target = _pair(tmp_path_factory, "model", ["--drafter", "model"])
+    yield draft, target
+    target.kill()
+    draft.kill()
+
+
+def _greedy_identity(target: ServiceProcess) -> None:
+    before = scrape(target.metrics_url)
+    alone = run_requests(target.address, [greedy_request(p, MAX_TOKENS, speculate=False) for p in PROMPTS])
+    speculative = run_requests(target.address, [greedy_request(p, MAX_TOKENS) for p in PROMPTS])
+    for prompt, a, s in zip(PROMPTS, alone, speculative):
+        assert s.token_ids == a.token_ids, prompt
+        assert s.text == a.text
+        assert a.draft_tokens == 0
+    after = scrape(target.metrics_url)
+    accepted = metric(after, "tandem_spec_decode_num_accepted_tokens_total") - metric(
+        before, "tandem_spec_decode_num_accepted_tokens_total")
+    assert accepted > 0, "no draft was ever accepted: speculation did not run"
+    assert accepted == sum(s.accepted_tokens for s in speculative)
+
+
+def test_greedy_with_ngram_drafter_is_token_identical(ngram_pair):
+    _greedy_identity(ngram_pair[1])
+
+
+def test_greedy_with_model_drafter_is_token_identical(model_pair):
+    _greedy_identity(model_pair[1])
+
+
+def test_ttft_does_not_wait_for_a_slow_drafter(tmp_path_factory):
+    draft, target = _pair(tmp_path_factory, "slow", ["--drafter", "ngram", "--delay-ms", "500"])
+    try:
+        ttft = {True: [], False: []}
+        outputs = {True: [], False: []}
+        for _ in range(3):
+            for speculate in (False, True):
+                [result] = run_requests(target.address, [greedy_request(PROMPTS[4], 12, speculate=speculate)])
+                ttft[speculate].append(result.ttft)
+                outputs[speculate].append(result.token_ids)
+        assert outputs[True] == outputs[False]
+        # The drafter answers 500 ms late; the first token must not wait for it.
+        assert statistics.median(ttft[True]) < statistics.median(ttft[False]) * 1.5 + 0.05
+    finally:
+        target.kill()
+        draft.kill()
+
+
+def test_drafter_killed_and_restarted(tmp_path_factory):
+    draft, target = _pair(tmp_path_factory, "faults", ["--drafter", "ngram"], ["--max-num-seqs", "4"])
+    try:
+        [reference] = run_requests(target.address, [greedy_request(PROMPTS[4], 48, speculate=False)])
+        import threading
+
+        results = []
+        worker = threading.Thread(target=lambda: results.extend(
+            run_requests(target.address, [greedy_request(PROMPTS[4], 48, ignore_eos=True)] * 4)))
+        worker.start()
+        time.sleep(1.0)
+        draft.kill()
+        worker.join(300)
+        assert len(results) == 4
+        expected = reference.token_ids
+        for result in results:
+            assert result.token_ids[: len(expected)] == expected
+        _wait_connected(target, connected=False)
+
+        before = metric(scrape(target.metrics_url), "tandem_spec_decode_num_accepted_tokens_total")
+        restarted = ServiceProcess("draft_service", draft.args, port=draft.port, metrics_port=draft.metrics_port,
+                                   log_path=draft.log_path).start().wait_healthy()
+        draft = restarted
+        _wait_connected(target, connected=True)
+        [again] = run_requests(target.address, [greedy_request(PROMPTS[4], 48)])
+        assert again.token_ids == expected
+        after = metric(scrape(target.metrics_url), "tandem_spec_decode_num_accepted_tokens_total")
+        assert after > before, "speculation did not resume after the drafter came back"
+    finally:
+        target.kill()
+        draft.kill()
+
+
+def test_cancel_frees_the_sequence_on_both_services(model_pair):
+    import asyncio
+
+    import grpc
+
+    from tandem.v1 import generation_pb2_grpc
+
+    draft, target = model_pair
+
+    async def cancel_midway():
+        async with grpc.aio.insecure_channel(target.address) as channel:
+            call = generation_pb2_grpc.GenerationStub(channel).Generate(
+                greedy_request(PROMPTS[1], 200, ignore_eos=True))
+            async for _ in call:
+                break
+            call.cancel()
+
+    asyncio.run(cancel_midway())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        running = metric(scrape(target.metrics_url), "tandem_num_requests_running")
+        drafting = metric(scrape(draft.metrics_url), "tandem_draft_sequences")
+        if running == 0 and drafting == 0:
+            break
+        time.sleep(0.2)
+    assert running == 0 and drafting == 0

@@ -1,0 +1,31 @@
+"""A tiny random Llama checkpoint folder with its own word-level tokenizer, written by the tests."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+VOCAB = 32
+
+
+def write_tiny_model(folder: Path, seed: int, logit_scale: float = 40.0) -> Path:
+    """A 2-layer Llama over VOCAB tokens whose next-token distributions are spread, not peaked."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"unk_token": "t0"}))
+    return folder
