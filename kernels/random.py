@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import secrets
 
+import numpy as np
 import torch
 
 from kernels._triton import constexpr, jit, tl
@@ -66,10 +67,32 @@ def random_bits(
     """uint32 bits (in int64) [B, n] for seeds/positions [B] and index [n] or [B, n]."""
     key = stream_keys(seeds, positions, salt)[:, None]  # [B, 1]
     left = (positions & _MASK32)[:, None].expand(-1, index.shape[-1])  # [B, n]
+    if seeds.device.type == "cpu":
+        return torch.from_numpy(_feistel_numpy(key.numpy(), left.numpy(), index.numpy())).to(torch.int64)
     right = index.to(torch.int64).expand_as(left)
     for r in range(_FEISTEL_ROUNDS):
         round_key = (key + r * _GOLDEN) & _MASK32
         left, right = right, left ^ _mix(right ^ round_key)
+    return right
+
+
+def _feistel_numpy(key: np.ndarray, left: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The same Feistel network in native uint32, in place: the CPU reference's hot path
+    (a full-vocabulary race per sampled row) runs several times faster than int64 emulation."""
+    left = np.ascontiguousarray(np.broadcast_to(left, left.shape).astype(np.uint32))
+    right = np.ascontiguousarray(np.broadcast_to(index, left.shape).astype(np.uint32))
+    mixed = np.empty_like(right)
+    with np.errstate(over="ignore"):
+        for r in range(_FEISTEL_ROUNDS):
+            round_key = ((key + r * _GOLDEN) & _MASK32).astype(np.uint32)  # [B, 1]
+            np.bitwise_xor(right, round_key, out=mixed)
+            mixed ^= mixed >> np.uint32(16)
+            mixed *= np.uint32(_MUL1)
+            mixed ^= mixed >> np.uint32(15)
+            mixed *= np.uint32(_MUL2)
+            mixed ^= mixed >> np.uint32(15)
+            mixed ^= left
+            left, right, mixed = right, mixed, left
     return right
 
 

@@ -80,12 +80,15 @@ def rejection_sample_reference(
     draft_index = layout.starts + num_accepted  # [B] the rejected draft, or one past the request's last
     q_rejected = torch.cat([q_draft, q_draft.new_zeros(1)])[draft_index]  # [B] 0 when none was rejected
     residual = ~is_greedy & (num_accepted < layout.num_drafts) & (q_rejected > 0)
-    q = _rejected_q(draft_probs, draft_index, residual, vocab)  # [B, V]
-    weights = race_weights(seeds, positions + num_accepted, TARGET_SALT, torch.arange(vocab, device=p.device))
-    key_p = p * weights
-    key_r = (p - q).clamp(min=0) * weights
-    drawn = torch.where(key_r.max(dim=1).values > 0, key_r.argmax(dim=1), key_p.argmax(dim=1))
-    last = torch.where(is_greedy, p.argmax(dim=1), drawn)
+    last = p.argmax(dim=1)  # [B]; the draw below replaces it for sampled requests
+    sampled = (~is_greedy).nonzero().squeeze(1)  # the full-vocabulary race only where it is needed
+    if sampled.numel():
+        q = _rejected_q(draft_probs, draft_index[sampled], residual[sampled], vocab)  # [S, V]
+        index = torch.arange(vocab, device=p.device)
+        weights = race_weights(seeds[sampled], (positions + num_accepted)[sampled], TARGET_SALT, index)
+        key_p = p[sampled] * weights
+        key_r = (p[sampled] - q).clamp(min=0) * weights
+        last[sampled] = torch.where(key_r.max(dim=1).values > 0, key_r.argmax(dim=1), key_p.argmax(dim=1))
     return emit_tokens(draft_tokens, layout, num_accepted, last)
 
 

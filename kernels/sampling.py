@@ -34,11 +34,13 @@ def processed_probs(
     _check_sampling_params(logits, temperature, top_k, top_p, min_p)
     logits = logits.float()
     greedy = temperature == 0  # [B]
+    one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
+    if bool(greedy.all()):  # the common serving case: no softmax over the vocabulary at all
+        return one_hot
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / scale[:, None], dim=-1)  # [B, V]
     if bool((top_k > 0).any() | (top_p < 1).any() | (min_p > 0).any()):
         probs = _filter(probs, top_k, top_p, min_p)
-    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], one_hot, probs)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.compression import ONE, CompressedProbs
+from kernels.compression import CompressedProbs, concat, no_probs
 from kernels.gumbel import verify_invariant
 from kernels.rejection import rejection_sample
 from kernels.sampling import processed_probs, sample
@@ -137,27 +137,10 @@ class StepRunner:
         return torch.cumsum(self._long([i.num_drafts for i in items]), dim=0)
 
     def _draft_probs(self, items: list[VerifyItem]) -> CompressedProbs:
-        """q' rows for every draft, [D, K]; requests verified by ids alone get ignored point masses."""
-        width = max((i.drafts.probs.k for i in items if i.drafts and i.drafts.probs is not None), default=1)
-        ids, fixed = [], []
-        for item in items:
-            if item.drafts is None:
-                continue
-            if item.drafts.probs is not None:
-                ids.append(item.drafts.probs.ids)
-                fixed.append(item.drafts.probs.fixed)
-            else:
-                tokens = torch.tensor(item.drafts.tokens, dtype=torch.int32)
-                ids.append((tokens[:, None] + torch.arange(width, dtype=torch.int32)) % self.vocab_size)
-                point = torch.zeros(len(tokens), width, dtype=torch.int32)
-                point[:, 0] = ONE
-                fixed.append(point.to(torch.uint16))
-        if not ids:
-            return CompressedProbs(
-                torch.zeros(0, width, dtype=torch.int32, device=self.device),
-                torch.zeros(0, width, dtype=torch.uint16, device=self.device),
-            )
-        return CompressedProbs(torch.cat(ids).to(self.device), torch.cat(fixed).to(self.device))
+        """q' rows for every draft, [D, K]; drafts verified by ids alone get empty rows."""
+        parts = [i.drafts.probs if i.drafts.probs is not None else no_probs(i.num_drafts) for i in items if i.drafts]
+        merged = concat(parts)
+        return CompressedProbs(merged.ids.to(self.device), merged.fixed.to(self.device))
 
     def _rows_of(self, items: list[VerifyItem], group: list[int]) -> torch.Tensor:
         starts, offset = [], 0

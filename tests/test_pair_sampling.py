@@ -37,7 +37,7 @@ def tiny_pair(tmp_path_factory):
 def _sample(target: ServiceProcess, speculate: bool) -> tuple[np.ndarray, int]:
     request = generation_pb2.GenerateRequest(
         prompt_token_ids=generation_pb2.TokenIds(ids=PROMPT),
-        sampling_params=generation_pb2.SamplingParams(temperature=1.0, max_tokens=POSITIONS, speculate=speculate,
+        sampling_params=generation_pb2.SamplingParams(temperature=1.0, max_tokens=POSITIONS, speculate=speculate, ignore_eos=True,
                                                       num_speculative_tokens=2),
     )
     results = run_requests(target.address, [request] * SAMPLES)

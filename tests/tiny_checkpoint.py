@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 VOCAB = 32
 
 
-def write_tiny_model(folder: Path, seed: int, logit_scale: float = 40.0) -> Path:
+def write_tiny_model(folder: Path, seed: int, logit_scale: float = 12.0) -> Path:
     """A 2-layer Llama over VOCAB tokens whose next-token distributions are spread, not peaked."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
