@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property, lru_cache
 from os import PathLike
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import gguf
 import jinja2
 import jinja2.ext
-import numpy as np
 import tokenizers
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from tandem.loaders import CheckpointError
+from tandem.loaders.gguf_reader import GGUFFile
 
 
 class TokenizerError(ValueError):
@@ -432,73 +433,8 @@ def _reader_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
 
 
-_SCALAR_FORMATS = {
-    gguf.GGUFValueType.UINT8: "B", gguf.GGUFValueType.INT8: "b", gguf.GGUFValueType.UINT16: "H",
-    gguf.GGUFValueType.INT16: "h", gguf.GGUFValueType.UINT32: "I", gguf.GGUFValueType.INT32: "i",
-    gguf.GGUFValueType.FLOAT32: "f", gguf.GGUFValueType.BOOL: "?", gguf.GGUFValueType.UINT64: "Q",
-    gguf.GGUFValueType.INT64: "q", gguf.GGUFValueType.FLOAT64: "d",
-}
-
-
-@lru_cache(maxsize=None)
-def _struct(fmt: str) -> struct.Struct:
-    return struct.Struct(fmt)
-
-
-@dataclass(slots=True)
-class _MetadataStream:
-    """GGUF key-value header reader; gguf.GGUFReader takes seconds to index every token string."""
-
-    file: BinaryIO
-    order: str
-
-    def read(self, size: int) -> bytes:
-        data = self.file.read(size)
-        if len(data) != size:
-            raise TokenizerError(f"{self.file.name}: truncated GGUF header")
-        return data
-
-    def scalar(self, kind: int) -> Any:
-        fmt = _struct(self.order + _SCALAR_FORMATS[kind])
-        return fmt.unpack(self.read(fmt.size))[0]
-
-    def string(self) -> str:
-        return self.read(self.scalar(gguf.GGUFValueType.UINT64)).decode("utf-8")
-
-    def value(self, kind: int) -> Any:
-        if kind == gguf.GGUFValueType.STRING:
-            return self.string()
-        if kind == gguf.GGUFValueType.ARRAY:
-            return self.array()
-        if kind not in _SCALAR_FORMATS:
-            raise TokenizerError(f"{self.file.name}: unknown GGUF value type {kind}")
-        return self.scalar(kind)
-
-    def array(self) -> list[Any]:
-        kind = self.scalar(gguf.GGUFValueType.UINT32)
-        count = self.scalar(gguf.GGUFValueType.UINT64)
-        if kind in _SCALAR_FORMATS:
-            dtype = np.dtype(self.order + _SCALAR_FORMATS[kind])
-            return np.frombuffer(self.read(count * dtype.itemsize), dtype=dtype).tolist()
-        return [self.value(kind) for _ in range(count)]
-
-    def items(self) -> Iterable[tuple[str, Any]]:
-        self.scalar(gguf.GGUFValueType.UINT64)  # tensor count
-        for _ in range(self.scalar(gguf.GGUFValueType.UINT64)):
-            key = self.string()
-            yield key, self.value(self.scalar(gguf.GGUFValueType.UINT32))
-
-
 def _read_gguf_metadata(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise TokenizerError(f"{path}: no such GGUF file")
-    with path.open("rb") as file:
-        if file.read(4) != b"GGUF":
-            raise TokenizerError(f"{path}: not a GGUF file")
-        (version,) = struct.unpack("<I", file.read(4))
-        # A big-endian file's version reads as a huge little-endian number.
-        stream = _MetadataStream(file, "<" if version & 0xFFFF else ">")
-        try:
-            return dict(stream.items())
-        except UnicodeDecodeError as exc:
-            raise TokenizerError(f"{path}: GGUF string is not UTF-8: {exc}") from exc
+    try:
+        return GGUFFile(path).metadata
+    except CheckpointError as exc:
+        raise TokenizerError(str(exc)) from exc

@@ -1,15 +1,18 @@
-"""GGUF files: dequantized with the `gguf` package, llama.cpp's Q/K row permutation undone."""
+"""GGUF files: config from the metadata, tensors dequantized, llama.cpp's Q/K row permutation undone."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType
 
 from tandem.config import ModelConfig, UnsupportedModelError
-from tandem.loaders.assemble import CheckpointError, assemble_weights
+from tandem.loaders import CheckpointError
+from tandem.loaders.assemble import assemble_weights
+from tandem.loaders.gguf_dequant import dequantize
+from tandem.loaders.gguf_reader import GGUFFile, GGUFTensorInfo
 from tandem.model.llama import ModelWeights
 from tandem.model.rope import rope_inv_freq
 
@@ -42,9 +45,9 @@ _GGUF_NAMES = {
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights]:
-    reader = GGUFReader(path)
-    tensors = {t.name: t for t in reader.tensors}
-    config = config_from_gguf(reader, has_output="output.weight" in tensors)
+    file = GGUFFile(path)
+    tensors = file.tensors
+    config = config_from_gguf(file.metadata, has_output="output.weight" in tensors)
     # llama.cpp permutes Q and K rows for its interleaved RoPE on "llama"; Qwen2 is left as is.
     permuted = config.architecture == "llama"
 
@@ -52,35 +55,36 @@ def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights]:
         tensor = tensors.get(_GGUF_NAMES[role].format(i=layer))
         if tensor is None:
             return None
-        weight = _dequantize(tensor)
+        weight = _dequantize(file, tensor)
         if permuted and role in ("q", "q_bias"):
             weight = _unpermute(weight, config.num_heads)
         elif permuted and role in ("k", "k_bias"):
             weight = _unpermute(weight, config.num_kv_heads)
-        return weight
+        return torch.from_numpy(weight)
 
     inv_freq = None
     if "rope_freqs.weight" in tensors:  # Llama 3 scaling, stored as per-frequency divisors
-        inv_freq = rope_inv_freq(config) / _dequantize(tensors["rope_freqs.weight"]).double()
+        divisors = torch.from_numpy(_dequantize(file, tensors["rope_freqs.weight"]))
+        inv_freq = rope_inv_freq(config) / divisors.double()
     return config, assemble_weights(config, get, inv_freq)
 
 
-def config_from_gguf(reader: GGUFReader, has_output: bool) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def config_from_gguf(metadata: dict[str, Any], has_output: bool) -> ModelConfig:
+    arch = metadata.get("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: llama, qwen2")
 
-    def meta(key: str, default=None):
-        value = _field(reader, f"{arch}.{key}")
+    def meta(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}")
         if value is None and default is None:
             raise CheckpointError(f"GGUF metadata lacks {arch}.{key}")
         return default if value is None else value
 
     hidden = int(meta("embedding_length"))
     heads = int(meta("attention.head_count"))
-    vocab = _field(reader, f"{arch}.vocab_size")
+    vocab = metadata.get(f"{arch}.vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(metadata["tokenizer.ggml.tokens"])
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -98,23 +102,16 @@ def config_from_gguf(reader: GGUFReader, has_output: bool) -> ModelConfig:
     )
 
 
-def _field(reader: GGUFReader, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def _dequantize(tensor) -> torch.Tensor:
-    if tensor.tensor_type not in _SUPPORTED_TYPES:
+def _dequantize(file: GGUFFile, tensor: GGUFTensorInfo) -> np.ndarray:
+    if tensor.ggml_type not in _SUPPORTED_TYPES:
         raise CheckpointError(
-            f"tensor {tensor.name} has GGUF type {tensor.tensor_type.name}; "
+            f"tensor {tensor.name} has GGUF type {tensor.ggml_type.name}; "
             f"supported: {', '.join(sorted(t.name for t in _SUPPORTED_TYPES))}"
         )
-    array = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
-    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True).reshape(shape))
+    return dequantize(file.tensor_data(tensor.name), tensor.ggml_type)
 
 
-def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverts llama.cpp's convert-time permutation of Q/K rows (pairs back into halves)."""
     rows = weight.shape[0]
     rest = weight.shape[1:]

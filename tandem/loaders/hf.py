@@ -8,7 +8,8 @@ import torch
 from safetensors import safe_open
 
 from tandem.config import ModelConfig
-from tandem.loaders.assemble import CheckpointError, assemble_weights
+from tandem.loaders import CheckpointError
+from tandem.loaders.assemble import assemble_weights
 from tandem.model.llama import ModelWeights
 
 _HF_NAMES = {
