@@ -45,7 +45,7 @@ class Engine:
         self.link = None  # a DrafterLink, attached by the server when --drafter is set
         self._ids = itertools.count(1)
         self._work = asyncio.Event()
-        self._drafts_arrived = asyncio.Event()
+        self._wake = asyncio.Event()  # drafts arrived, or a request did
         self._accepting = True
         self._task: asyncio.Task | None = None
 
@@ -79,6 +79,7 @@ class Engine:
         self.waiting.append(seq)
         self.metrics.waiting.set(len(self.waiting))
         self._work.set()
+        self._wake.set()
 
     def _free_capacity(self) -> int:
         """Requests the next step can admit: waiting for it is not queueing."""
@@ -186,13 +187,13 @@ class Engine:
             limit = min(seq.options.num_speculative_tokens, seq.remaining_tokens - 1,
                         self.kv_cache.max_len - len(seq.token_ids))
             drafts = usable_drafts(seq, limit)
-            if drafts is None:
+            if drafts is not None and drafts.salvaged:
+                self.metrics.child(self.metrics.draft_stale, outcome="salvaged").inc()
+            elif drafts is None and limit > 0:
                 self.metrics.draft_miss.inc()
                 if is_stale_mismatch(seq):
                     self.metrics.child(self.metrics.draft_stale, outcome="dropped").inc()
                     seq.proposal = None
-            elif drafts.salvaged:
-                self.metrics.child(self.metrics.draft_stale, outcome="salvaged").inc()
         return VerifyItem(slot=seq.slot, length=len(seq.token_ids), last_token=seq.token_ids[-1],
                           drafts=drafts, options=seq.options)
 
@@ -212,7 +213,11 @@ class Engine:
             m.child(m.accepted_per_pos, position=str(position)).inc()
 
     async def _wait_for_drafts(self, decoding: list[Sequence]) -> None:
-        """Wait a bounded time for sequences that have no usable draft yet."""
+        """Wait a bounded time for sequences that have no usable draft yet.
+
+        A new request ends the wait at once, so that waiting for drafts never delays a prefill,
+        except in synchronous mode, whose point is to block as the pre-non-blocking design did.
+        """
         if self.link is None or not self.link.connected:
             return
         bound = self.policy.wait_bound()
@@ -220,11 +225,12 @@ class Engine:
         while bound > 0:
             missing = [s for s in decoding if self._speculates(s) and usable_drafts(s, 1) is None]
             remaining = deadline - time.perf_counter()
-            if not missing or remaining <= 0:
+            admissible = self.waiting and self._free_capacity() > 0
+            if not missing or remaining <= 0 or (admissible and not self.policy.sync):
                 return
-            self._drafts_arrived.clear()
+            self._wake.clear()
             try:
-                await asyncio.wait_for(self._drafts_arrived.wait(), remaining)
+                await asyncio.wait_for(self._wake.wait(), remaining)
             except asyncio.TimeoutError:
                 return
 
@@ -367,4 +373,4 @@ class Engine:
             if proposal.base_len == seq.drafter_len and seq.drafter_sent_at is not None:
                 self.metrics.draft_rtt.observe(now - seq.drafter_sent_at)
             seq.proposal = proposal
-        self._drafts_arrived.set()
+        self._wake.set()
