@@ -190,3 +190,24 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
         assert service.process.wait(60) == 0
     finally:
         service.kill()
+
+
+def test_stop_token_ids_end_the_sequence_at_that_token(target):
+    full = run_requests(target.address, [greedy_request(PROMPTS[0], MAX_TOKENS)])[0]
+    stop_id = full.token_ids[3]
+    [stopped] = run_requests(target.address, [greedy_request(PROMPTS[0], MAX_TOKENS, stop_token_ids=[stop_id])])
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+
+
+def test_reflection_and_model_info(target):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(target.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        [reply] = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        services = {s.name for s in reply.list_services_response.service}
+        info = generation_pb2_grpc.GenerationStub(channel).GetModelInfo(generation_pb2.GetModelInfoRequest())
+    assert {"tandem.v1.Generation", "grpc.health.v1.Health"} <= services
+    assert info.model == "smollm2-135m" and info.vocab_size == 49152 and info.max_model_len == 512
+    assert not info.drafter_connected
