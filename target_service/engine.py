@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from target_service.config import TargetConfig
+from target_service.draft_messages import extend_message, open_message
 from target_service.drafts import InvalidProposal, is_stale_mismatch, usable_drafts, validate_proposal
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
@@ -245,7 +246,12 @@ class Engine:
         Asynchronous speculation sends at once. Synchronous speculation (the blocking baseline)
         first waits for the drafts of the new prefixes, as before vLLM's non-blocking change.
         """
-        outputs = [self._commit(seq, result) for seq, result in zip(seqs, results)]
+        outputs = []
+        for seq, result in zip(seqs, results):
+            output, finish = seq.commit(result.tokens, result.num_accepted, self.kv_cache.max_len)
+            outputs.append(output)
+            if finish is not None:
+                self._finish(seq, finish)
         self._send_extends(seqs)
         if self.policy.sync:
             await self._wait_for_drafts([s for s in seqs if s.finish is None])
@@ -253,33 +259,6 @@ class Engine:
         for seq, output in zip(seqs, outputs):
             self._observe_tokens(seq, len(output.token_ids), now)
             seq.outbox.put_nowait(output)
-
-    def _commit(self, seq: Sequence, result: Verified) -> Output:
-        """Append tokens one by one, so stops and budgets end the sequence where the target alone would."""
-        emitted: list[int] = []
-        text_parts: list[str] = []
-        finish, hit_stop_string = None, False
-        for token in result.tokens:
-            seq.token_ids.append(token)
-            emitted.append(token)
-            if seq.stops.is_stop_token(token):
-                finish = FinishReason.STOP
-                break
-            text, hit_stop_string = seq.stops.add_text(seq.detokenizer.feed(token))
-            text_parts.append(text)
-            if hit_stop_string:
-                finish = FinishReason.STOP
-                break
-            if seq.remaining_tokens <= 0 or len(seq.token_ids) >= self.kv_cache.max_len:
-                finish = FinishReason.LENGTH
-                break
-        if finish is not None and not hit_stop_string:
-            tail, hit_stop_string = seq.stops.add_text(seq.detokenizer.flush())
-            text_parts.append(tail if hit_stop_string else tail + seq.stops.flush())
-        if finish is not None:
-            self._finish(seq, finish)
-        accepted = min(result.num_accepted, len(emitted))
-        return Output(token_ids=emitted, text="".join(text_parts), num_accepted=accepted)
 
     def _observe_tokens(self, seq: Sequence, count: int, now: float) -> None:
         m = self.metrics
@@ -324,13 +303,8 @@ class Engine:
                 and self.link is not None and self.link.connected)
 
     def _open_message(self, seq: Sequence) -> drafter_pb2.SequenceOpen:
-        seq.drafter_len = len(seq.token_ids)
         seq.drafter_sent_at = time.perf_counter()
-        o = seq.options
-        sampling = drafter_pb2.DraftSampling(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
-                                             min_p=o.min_p, seed=o.seed, drafter_invariant=o.drafter_invariant)
-        k = min(o.num_speculative_tokens, self.link.max_k)
-        return drafter_pb2.SequenceOpen(seq_id=seq.seq_id, prompt_ids=seq.token_ids, sampling=sampling, k=k)
+        return open_message(seq, self.link.max_k)
 
     def reopen_all(self) -> drafter_pb2.TargetUpdate:
         """After a (re)connect: every running sequence, opened with its committed tokens."""
@@ -341,14 +315,9 @@ class Engine:
         )
 
     def _send_extends(self, seqs: list[Sequence]) -> None:
-        extends = []
         now = time.perf_counter()
-        for seq in seqs:
-            if seq.drafter_len and seq.finish is None and len(seq.token_ids) > seq.drafter_len:
-                extends.append(drafter_pb2.SequenceExtend(
-                    seq_id=seq.seq_id, start=seq.drafter_len, token_ids=seq.token_ids[seq.drafter_len:]))
-                seq.drafter_len = len(seq.token_ids)
-                seq.drafter_sent_at = now
+        extends = [extend_message(seq, now) for seq in seqs
+                   if seq.drafter_len and seq.finish is None and len(seq.token_ids) > seq.drafter_len]
         self._send_update(extends=extends)
 
     def _send_update(self, opens=(), extends=(), closes=()) -> None:

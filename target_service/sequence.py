@@ -96,3 +96,28 @@ class Sequence:
     @property
     def remaining_tokens(self) -> int:
         return self.options.max_tokens - self.num_generated
+
+    def commit(self, tokens: list[int], num_accepted: int, max_len: int) -> tuple[Output, FinishReason | None]:
+        """Append tokens one by one, so stops and budgets end the sequence where the target alone would."""
+        emitted: list[int] = []
+        text_parts: list[str] = []
+        finish, hit_stop_string = None, False
+        for token in tokens:
+            self.token_ids.append(token)
+            emitted.append(token)
+            if self.stops.is_stop_token(token):
+                finish = FinishReason.STOP
+                break
+            text, hit_stop_string = self.stops.add_text(self.detokenizer.feed(token))
+            text_parts.append(text)
+            if hit_stop_string:
+                finish = FinishReason.STOP
+                break
+            if self.remaining_tokens <= 0 or len(self.token_ids) >= max_len:
+                finish = FinishReason.LENGTH
+                break
+        if finish is not None and not hit_stop_string:
+            tail, hit_stop_string = self.stops.add_text(self.detokenizer.flush())
+            text_parts.append(tail if hit_stop_string else tail + self.stops.flush())
+        output = Output(token_ids=emitted, text="".join(text_parts), num_accepted=min(num_accepted, len(emitted)))
+        return output, finish
