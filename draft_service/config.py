@@ -11,6 +11,7 @@ from kernels.compression import DEFAULT_TOP_K, MAX_VOCAB
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
 from tandem.registry import DEFAULT_MODEL
 from tandem.runtime import resolve_dtype
+from tandem.tls import ServerTls
 
 DRAFTER_KINDS = ("model", "ngram")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -35,6 +36,10 @@ class DraftConfig:
     delay_ms: float = 0.0  # testing: simulates a slow drafter
     grace_seconds: float = 5.0
     log_level: str = "info"
+    max_message_bytes: int = 16 * 1024 * 1024
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""  # mTLS: only targets whose certificate this CA signed
 
     def __post_init__(self) -> None:
         self.log_level = self.log_level.lower()
@@ -42,12 +47,16 @@ class DraftConfig:
         for name, allowed in (("drafter", DRAFTER_KINDS), ("log_level", LOG_LEVELS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        self.server_tls()
         if self.ngram_min_n > self.ngram_max_n:
             raise ValueError(f"--ngram-min-n ({self.ngram_min_n}) must not exceed --ngram-max-n ({self.ngram_max_n})")
         try:
             resolve_dtype(self.dtype, torch.device(self.device))
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"--device/--dtype: {e}") from None
+
+    def server_tls(self) -> ServerTls | None:
+        return ServerTls.from_flags(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 HELP = {
@@ -69,6 +78,10 @@ HELP = {
     "delay_ms": "for tests: sleep this long before sending each batch of proposals (a slow drafter)",
     "grace_seconds": "on SIGTERM, how long the service may take to end its streams and stop",
     "log_level": "debug, info, warning or error",
+    "max_message_bytes": "the largest gRPC message either way",
+    "tls_cert": "PEM certificate (chain) served to targets; with --tls-key turns TLS on",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA bundle: accept only targets whose client certificate it signed (mTLS)",
 }
 
 _RANGES = {
@@ -83,6 +96,7 @@ _RANGES = {
     "ngram_max_n": (1, None),
     "delay_ms": (0, None),
     "grace_seconds": (0, None),
+    "max_message_bytes": (1, None),
 }
 
 

@@ -108,7 +108,8 @@ async def serve(config: DraftConfig) -> None:
     scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits, delay_s=config.delay_ms / 1000)
     servicer = DrafterServicer(loaded.info, scheduler)
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
-                            grace_seconds=config.grace_seconds)
+                            max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,
+                            tls=config.server_tls())
     scheduler.start()
     try:
         running = await start_server(

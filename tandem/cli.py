@@ -6,6 +6,7 @@ import asyncio
 import sys
 
 from tandem.client import chat_request, generate, open_channel
+from tandem.tls import ClientTls, read_token
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 
@@ -26,6 +27,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
     gen.add_argument("--no-speculate", action="store_true", help="turn speculation off for this request")
     gen.add_argument("--num-speculative-tokens", type=int, default=None)
+    gen.add_argument("--tls", action="store_true", help="TLS with the system's roots (implied by the files below)")
+    gen.add_argument("--ca-cert", default="", help="PEM CA bundle that verifies the target's certificate")
+    gen.add_argument("--client-cert", default="", help="PEM certificate for a target that requires mTLS")
+    gen.add_argument("--client-key", default="", help="PEM private key of --client-cert")
+    gen.add_argument("--token", default="", help="bearer token of a target started with --auth-token")
+    gen.add_argument("--token-file", default="", help="file holding the bearer token (not visible in ps)")
     return parser
 
 
@@ -45,7 +52,13 @@ def _request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
 async def run_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    async with open_channel(args.target) as channel:
+    try:
+        tls = ClientTls.from_flags(args.ca_cert, args.client_cert, args.client_key, enabled=args.tls)
+        token = read_token(args.token, args.token_file)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    async with open_channel(args.target, tls, token) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             result = await generate(stub, _request(args), on_text=lambda t: print(t, end="", flush=True))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tandem.tls import ClientTls, bearer_metadata
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 FINISH_NAMES = {
@@ -89,5 +90,33 @@ def chat_request(
     )
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address)
+class _BearerToken:
+    """Adds `authorization: Bearer <token>` to every call (works on plaintext channels too, unlike call credentials)."""
+
+    def __init__(self, token: str):
+        self._metadata = bearer_metadata(token)
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
+                                          details.credentials, details.wait_for_ready)
+
+
+# grpc.aio files an interceptor under its first matching kind only, so each kind gets its own class.
+class _UnaryUnaryBearer(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+class _UnaryStreamBearer(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+def open_channel(address: str, tls: ClientTls | None = None, token: str = "",
+                 options: list[tuple[str, int]] | None = None) -> grpc.aio.Channel:
+    """A channel to a target: plaintext, or TLS (mTLS with a client cert) when `tls` is given."""
+    interceptors = [_UnaryUnaryBearer(token), _UnaryStreamBearer(token)] if token else None
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options, interceptors=interceptors)

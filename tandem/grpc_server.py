@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
+
+from tandem.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,7 @@ class ServerOptions:
     metrics_port: int = 9090  # 0 turns the /metrics endpoint off
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_seconds: float = 30.0
+    tls: ServerTls | None = None  # None serves plaintext (loopback, or behind a TLS-terminating proxy)
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -72,9 +75,10 @@ async def start_server(
     register: Callable[[grpc.aio.Server], None],
     service_names: list[str],
     registry: CollectorRegistry | None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
     """Starts gRPC (with health and reflection) and the /metrics HTTP endpoint."""
-    server = grpc.aio.server(options=channel_options(options.max_message_bytes))
+    server = grpc.aio.server(options=channel_options(options.max_message_bytes), interceptors=list(interceptors))
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -82,7 +86,11 @@ async def start_server(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    address = f"{options.host}:{options.port}"
+    if options.tls is not None:
+        port = server.add_secure_port(address, options.tls.credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind gRPC to {options.host}:{options.port}")
     await server.start()
@@ -90,7 +98,9 @@ async def start_server(
         start_http_server(options.metrics_port, addr=options.host, registry=registry)
     running = RunningServer(server=server, health=health, service_names=service_names, port=port)
     await running.set_serving(True)
-    log.info("serving %s on %s:%d", ", ".join(service_names), options.host, port)
+    security = ("plaintext" if options.tls is None else
+                "mTLS" if options.tls.client_ca_file else "TLS")
+    log.info("serving %s on %s:%d (%s)", ", ".join(service_names), options.host, port, security)
     return running
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.tls import ClientTls
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -30,6 +32,13 @@ class ServiceProcess:
     metrics_port: int = field(default_factory=free_port)
     log_path: Path | None = None
     process: subprocess.Popen | None = None
+    tls: ClientTls | None = None  # how wait_healthy reaches a service started with --tls-cert
+
+    def channel(self) -> grpc.Channel:
+        """A blocking channel to the service, over TLS when `tls` is set."""
+        if self.tls is None:
+            return grpc.insecure_channel(self.address)
+        return grpc.secure_channel(self.address, self.tls.credentials())
 
     @property
     def address(self) -> str:
@@ -49,7 +58,7 @@ class ServiceProcess:
 
     def wait_healthy(self, timeout: float = 120.0) -> "ServiceProcess":
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
+        with self.channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:

@@ -20,13 +20,26 @@ HELP = {
     "draft_wait_ms": "the most a step waits for late drafts; 0 never waits",
     "sync_speculation": "wait for the drafter every step (the blocking baseline, for benchmarks)",
     "grace_seconds": "on SIGTERM, how long running requests may take to finish",
+    "max_message_bytes": "the largest gRPC message either way, on both links",
+    "tls_cert": "PEM certificate (chain) served to clients; with --tls-key turns TLS on",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mTLS)",
+    "auth_token": "bearer token that client calls must carry (health checks excepted); visible in ps",
+    "auth_token_file": "file holding the bearer token (preferred over --auth-token)",
+    "drafter_tls": "connect to the drafter over TLS (implied by the --drafter-* files below)",
+    "drafter_ca": "PEM CA bundle that verifies the drafter's certificate; empty uses the system roots",
+    "drafter_client_cert": "PEM certificate this target presents to a drafter requiring mTLS",
+    "drafter_client_key": "PEM private key of --drafter-client-cert",
 }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="target-service", description=__doc__)
     add_dataclass_flags(parser, TargetConfig, HELP)
-    config = dataclass_from_args(TargetConfig, parser.parse_args(argv))
+    try:
+        config = dataclass_from_args(TargetConfig, parser.parse_args(argv))
+    except ValueError as err:
+        parser.error(str(err))
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_torch_threads(config.threads)
     install_event_loop()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.tls import ClientTls, ServerTls, read_token
+
 
 @dataclass(slots=True)
 class TargetConfig:
@@ -24,6 +26,17 @@ class TargetConfig:
     grace_seconds: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
     log_level: str = "INFO"
+    # Client link (clients to this target). tls_client_ca turns on mTLS.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    auth_token: str = ""  # a bearer token that client calls must carry; prefer auth_token_file
+    auth_token_file: str = ""
+    # Drafter link (this target to the draft service). Any of these turns TLS on.
+    drafter_tls: bool = False  # TLS with the system's roots when no drafter_ca is given
+    drafter_ca: str = ""  # the CA that signed the drafter's certificate
+    drafter_client_cert: str = ""  # this target's certificate, for a drafter that requires mTLS
+    drafter_client_key: str = ""
 
     def __post_init__(self) -> None:
         positive = {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
@@ -36,3 +49,17 @@ class TargetConfig:
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")
+        self.server_tls()
+        self.drafter_link_tls()
+        if self.auth_token and self.auth_token_file:
+            raise ValueError("give --auth-token or --auth-token-file, not both")
+
+    def server_tls(self) -> ServerTls | None:
+        return ServerTls.from_flags(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    def drafter_link_tls(self) -> ClientTls | None:
+        return ClientTls.from_flags(self.drafter_ca, self.drafter_client_cert, self.drafter_client_key,
+                                    enabled=self.drafter_tls, prefix="drafter-")
+
+    def read_auth_token(self) -> str:
+        return read_token(self.auth_token, self.auth_token_file)

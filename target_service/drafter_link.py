@@ -1,7 +1,9 @@
 """The target's end of the Speculate stream: connect, check, stream, and reconnect with backoff.
 
 Sending never blocks a step: updates go into a queue that the stream drains. While the drafter
-is down, updates are dropped; on reconnect every running sequence is opened afresh.
+is down, updates are dropped; on reconnect every running sequence is opened afresh. A drafter
+that stops reading would let that queue grow without end, so past a bound the link is dropped
+and made again, like any other drafter failure.
 """
 from __future__ import annotations
 
@@ -12,20 +14,28 @@ import grpc
 
 from target_service.metrics import TargetMetrics
 from tandem.grpc_server import channel_options
+from tandem.tls import ClientTls
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 INITIAL_BACKOFF_SECONDS = 0.1
+# One update per step: thousands are tens of seconds of steps that a live drafter would have read.
+MAX_PENDING_UPDATES = 4096
 
 
 class IncompatibleDrafter(Exception):
     """The drafter's vocabulary or tokenizer differs from the target's."""
 
 
+class DrafterStalled(Exception):
+    """The drafter stopped reading updates: the ones queued for it passed the bound."""
+
+
 class DrafterLink:
     def __init__(self, address: str, engine, metrics: TargetMetrics, *, vocab_size: int,
-                 tokenizer_fingerprint: str, reconnect_max_seconds: float, max_message_bytes: int):
+                 tokenizer_fingerprint: str, reconnect_max_seconds: float, max_message_bytes: int,
+                 tls: ClientTls | None = None, max_pending_updates: int = MAX_PENDING_UPDATES):
         self.address = address
         self.engine = engine
         self.metrics = metrics
@@ -33,6 +43,10 @@ class DrafterLink:
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.reconnect_max_seconds = reconnect_max_seconds
         self.max_message_bytes = max_message_bytes
+        self.tls = tls
+        self.max_pending_updates = max_pending_updates
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._stalled = False
         self.info: drafter_pb2.DrafterInfo | None = None
         self.connected = False
         self._queue: asyncio.Queue[drafter_pb2.TargetUpdate] = asyncio.Queue()
@@ -55,8 +69,15 @@ class DrafterLink:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def send(self, update: drafter_pb2.TargetUpdate) -> None:
-        if self.connected:
-            self._queue.put_nowait(update)
+        if not self.connected:
+            return
+        if self._queue.qsize() >= self.max_pending_updates:
+            self._stalled = True
+            self._set_connected(False)
+            if self._call is not None:
+                self._call.cancel()  # _session turns the cancel into DrafterStalled; _run reconnects
+            return
+        self._queue.put_nowait(update)
 
     async def _run(self) -> None:
         backoff = INITIAL_BACKOFF_SECONDS
@@ -66,6 +87,8 @@ class DrafterLink:
                 backoff = INITIAL_BACKOFF_SECONDS  # it was up; a fresh failure starts the backoff over
             except asyncio.CancelledError:
                 raise
+            except DrafterStalled as err:
+                log.warning("dropping the drafter link to %s: %s", self.address, err)
             except IncompatibleDrafter as err:
                 log.error("refusing drafter at %s: %s", self.address, err)
                 backoff = self.reconnect_max_seconds
@@ -79,19 +102,35 @@ class DrafterLink:
             backoff = min(backoff * 2, self.reconnect_max_seconds)
 
     async def _session(self) -> None:
-        async with grpc.aio.insecure_channel(self.address, options=channel_options(self.max_message_bytes)) as channel:
+        async with self._channel() as channel:
             stub = drafter_pb2_grpc.DrafterStub(channel)
             info = await stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=5.0)
             self._check(info)
             self.info = info
             self._queue = asyncio.Queue()
+            self._stalled = False
             self._set_connected(True)
             log.info("drafter connected: %s (%s, k <= %d) at %s", info.model, info.kind, info.max_k, self.address)
             self._queue.put_nowait(self.engine.reopen_all())
-            call = stub.Speculate(self._updates())
-            async for message in call:
-                self.engine.on_proposals(message, message.ByteSize())
+            self._call = call = stub.Speculate(self._updates())
+            try:
+                async for message in call:
+                    self.engine.on_proposals(message, message.ByteSize())
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not self._stalled or getattr(task, "cancelling", lambda: 0)():  # link.stop() wins
+                    raise
+                raise DrafterStalled(f"{self.max_pending_updates} updates queued unread") from None
+            finally:
+                self._call = None
             log.warning("drafter at %s closed the stream", self.address)
+
+    def _channel(self) -> grpc.aio.Channel:
+        # Certificates are read at each connect, so that rotated files are picked up on reconnect.
+        options = channel_options(self.max_message_bytes)
+        if self.tls is None:
+            return grpc.aio.insecure_channel(self.address, options=options)
+        return grpc.aio.secure_channel(self.address, self.tls.credentials(), options=options)
 
     async def _updates(self):
         while True:

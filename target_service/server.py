@@ -13,9 +13,10 @@ from target_service.engine import Engine
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from target_service.sequence import FinishReason, Output, Sequence
-from target_service.validation import validate_request
+from target_service.validation import UndecodableRequests, validate_request
 from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
 from tandem.runtime import LoadedModel, load_model
+from tandem.tls import BearerTokenInterceptor
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -99,17 +100,22 @@ async def serve(config: TargetConfig) -> None:
             config.drafter, engine, metrics, vocab_size=loaded.config.vocab_size,
             tokenizer_fingerprint=loaded.tokenizer.fingerprint,
             reconnect_max_seconds=config.reconnect_max_seconds, max_message_bytes=config.max_message_bytes,
+            tls=config.drafter_link_tls(),
         )
         engine.link.start()
     engine.start()
     servicer = GenerationServicer(engine, loaded, config)
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
-                            max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds)
+                            max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,
+                            tls=config.server_tls())
+    token = config.read_auth_token()
     running = await start_server(
         options,
         lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         metrics.registry,
+        # The token is checked first: an unauthenticated caller learns nothing about its request.
+        interceptors=[*([BearerTokenInterceptor(token)] if token else []), UndecodableRequests()],
     )
     try:
         await serve_until_signal(running, config.grace_seconds, engine.drain)

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import math
 
+import grpc
+from google.protobuf.message import DecodeError
+
 from kernels.random import fresh_seed
 from target_service.config import TargetConfig
-from target_service.errors import invalid
+from target_service.errors import RequestError, invalid
 from target_service.sequence import SamplingOptions
 from tandem.tokenizer import Tokenizer, TokenizerError
 from tandem.v1 import generation_pb2
@@ -116,3 +119,33 @@ def validate_request(
         raise invalid("model", f"{request.model!r} is not served here; this server serves {model_name!r}")
     ids = prompt_ids_of(request, tokenizer, vocab_size)
     return ids, sampling_options(request.sampling_params, len(ids), config, vocab_size)
+
+
+GENERATE_METHOD = "/tandem.v1.Generation/Generate"
+
+
+def decode_request(wire: bytes) -> generation_pb2.GenerateRequest | RequestError:
+    """The request, or the INVALID_ARGUMENT it earns (bad UTF-8 in a string, a truncated field)."""
+    try:
+        return generation_pb2.GenerateRequest.FromString(wire)
+    except DecodeError as err:
+        return invalid("request", f"cannot be decoded: {err}")
+
+
+class UndecodableRequests(grpc.aio.ServerInterceptor):
+    """A Generate request that does not parse gets INVALID_ARGUMENT; grpc itself would answer UNKNOWN."""
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method != GENERATE_METHOD:
+            return handler
+        generate = handler.unary_stream
+
+        async def checked(request, context: grpc.aio.ServicerContext):
+            if isinstance(request, RequestError):
+                await context.abort(request.code, request.message)
+            async for response in generate(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(checked, request_deserializer=decode_request,
+                                                    response_serializer=handler.response_serializer)

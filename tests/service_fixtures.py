@@ -7,7 +7,8 @@ import urllib.request
 
 import grpc
 
-from tandem.client import GenerationResult, generate
+from tandem.client import GenerationResult, generate, open_channel
+from tandem.tls import ClientTls, bearer_metadata
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 PROMPTS = [
@@ -54,12 +55,12 @@ def greedy_request(prompt: str, max_tokens: int, **extra) -> generation_pb2.Gene
 
 
 def run_requests(address: str, requests: list[generation_pb2.GenerateRequest], timeout: float = 300.0,
-                 concurrency: int = 64) -> list[GenerationResult]:
+                 concurrency: int = 64, tls: ClientTls | None = None, token: str = "") -> list[GenerationResult]:
     """Sends the requests over one channel, at most `concurrency` at a time, and waits for all."""
 
     async def main() -> list[GenerationResult]:
         limit = asyncio.Semaphore(concurrency)
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with open_channel(address, tls, token) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
 
             async def one(request: generation_pb2.GenerateRequest) -> GenerationResult:
@@ -71,12 +72,14 @@ def run_requests(address: str, requests: list[generation_pb2.GenerateRequest], t
     return asyncio.run(main())
 
 
-def call_error(address: str, request: generation_pb2.GenerateRequest) -> grpc.RpcError:
+def call_error(address: str, request: generation_pb2.GenerateRequest, tls: ClientTls | None = None,
+               token: str = "") -> grpc.RpcError:
     """The error a request ends with (the test fails if it succeeds)."""
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.insecure_channel(address) if tls is None else grpc.secure_channel(address, tls.credentials())
+    with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            list(stub.Generate(request, timeout=60))
+            list(stub.Generate(request, timeout=60, metadata=bearer_metadata(token)))
         except grpc.RpcError as err:
             return err
     raise AssertionError("the request succeeded; an error was expected")

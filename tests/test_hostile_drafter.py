@@ -1,6 +1,8 @@
 """A drafter that sends garbage cannot crash the target or change its output; each bad proposal is counted."""
 from __future__ import annotations
 
+import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -85,3 +87,173 @@ def test_bad_proposals_are_dropped_counted_and_harmless(hostile_target):
     assert _rejected(after, "probs") - _rejected(before, "probs") == 1
     assert metric(after, "tandem_spec_decode_num_draft_tokens_total") == metric(
         before, "tandem_spec_decode_num_draft_tokens_total"), "a bad draft was verified"
+
+
+# ---- a drafter whose misbehaviour the test switches: one target process for every mode ---------
+
+ONE = 1 << 15
+
+
+class ScriptedDrafter(drafter_pb2_grpc.DrafterServicer):
+    """Tracks each sequence's length from the updates, and answers them as `mode` says.
+
+    bad_sum: well-formed probabilities whose rows do not sum to ONE. closed: proposals for
+    sequences the target has closed. out_of_order: a current proposal, then an older one.
+    flood: hundreds of proposals per update. hang: reads updates, never answers. stall: stops
+    reading updates at all.
+    """
+
+    def __init__(self, fingerprint: str):
+        self.fingerprint = fingerprint
+        self.mode = "hang"
+        self.lengths: dict[int, int] = {}
+        self.prompt_lens: dict[int, int] = {}
+        self.closed: list[int] = []
+        self.release = threading.Event()
+
+    def Info(self, request, context):
+        return drafter_pb2.DrafterInfo(model="scripted", vocab_size=VOCAB, tokenizer_fingerprint=self.fingerprint,
+                                       max_k=MAX_K, kind="model", probs_top_k=PROBS_TOP_K)
+
+    def Speculate(self, request_iterator, context):
+        for update in request_iterator:
+            if self.mode == "stall":
+                self.release.wait(timeout=120)  # stop reading: the target's sends back up
+            for opened in update.opens:
+                self.lengths[opened.seq_id] = self.prompt_lens[opened.seq_id] = len(opened.prompt_ids)
+            for extend in update.extends:
+                self.lengths[extend.seq_id] = extend.start + len(extend.token_ids)
+            for closed in update.closes:
+                self.lengths.pop(closed.seq_id, None)
+                self.closed.append(closed.seq_id)
+            yield from self._answer(update)
+
+    def _answer(self, update):
+        P = drafter_pb2.DraftProposal
+        live = list(self.lengths.items())
+        if self.mode == "bad_sum":
+            ids = b"".join(i.to_bytes(3, "little") for i in range(1, PROBS_TOP_K + 1))
+            fixed = b"".join(v.to_bytes(2, "little") for v in (ONE // 2, ONE // 2, 1, 0))  # sums to ONE + 1
+            yield drafter_pb2.DraftProposals(proposals=[
+                P(seq_id=s, base_len=n, token_ids=[1], probs=ids + fixed, probs_top_k=PROBS_TOP_K) for s, n in live])
+        elif self.mode == "closed":
+            yield drafter_pb2.DraftProposals(proposals=[P(seq_id=s, base_len=1, token_ids=[1, 2]) for s in self.closed])
+        elif self.mode == "out_of_order":
+            for s, n in live:
+                yield drafter_pb2.DraftProposals(proposals=[P(seq_id=s, base_len=n, token_ids=[2, 3])])
+                yield drafter_pb2.DraftProposals(proposals=[P(seq_id=s, base_len=self.prompt_lens[s], token_ids=[4])])
+        elif self.mode == "flood":
+            batch = drafter_pb2.DraftProposals(proposals=[
+                P(seq_id=s, base_len=n, token_ids=[(s * 7 + j) % VOCAB for j in range(MAX_K)])
+                for s, n in live for _ in range(25)])
+            for _ in range(40):
+                yield batch
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory, smollm2_path):
+    drafter = ScriptedDrafter(load_tokenizer(smollm2_path).fingerprint)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    drafter_pb2_grpc.add_DrafterServicer_to_server(drafter, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--num-speculative-tokens",
+                                               "4", "--draft-wait-ms", "20", "--drafter", f"127.0.0.1:{port}"],
+                            log_path=tmp_path_factory.mktemp("scripted") / "target.log").start().wait_healthy()
+    alone = run_requests(target.address, [greedy_request(p, 10, speculate=False) for p in PROMPTS[:2]])
+    yield drafter, target, [a.token_ids for a in alone]
+    drafter.release.set()
+    target.kill()
+    server.stop(0)
+
+
+def _rss(pid: int) -> int:
+    status = open(f"/proc/{pid}/status").read()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+
+def _greedy_unchanged(target, alone) -> None:
+    spec = run_requests(target.address, [greedy_request(p, 10) for p in PROMPTS[:2]], timeout=60)
+    assert [s.token_ids for s in spec] == alone
+
+
+@pytest.mark.parametrize("mode", ["hang", "closed", "out_of_order", "flood", "bad_sum"])
+def test_scripted_misbehaviour_leaves_output_and_memory_alone(scripted, mode):
+    drafter, target, alone = scripted
+    drafter.mode = mode
+    before, rss_before = scrape(target.metrics_url), _rss(target.process.pid)
+    _greedy_unchanged(target, alone)
+    sampled = [generation_pb2.GenerateRequest(prompt="Once upon a time", sampling_params=generation_pb2.SamplingParams(
+        temperature=0.8, max_tokens=8, seed=11, speculate=speculate)) for speculate in (False, True)]
+    plain, spec = run_requests(target.address, sampled, timeout=60)
+    after = scrape(target.metrics_url)
+    if mode in ("hang", "closed", "bad_sum"):
+        # No usable draft ever reaches a step, so sampling is keyed exactly as without speculation.
+        assert spec.token_ids == plain.token_ids
+    if mode == "bad_sum":
+        assert _rejected(after, "probs") > _rejected(before, "probs")
+    if mode == "flood":
+        assert metric(after, "tandem_draft_wire_bytes_total") - metric(before, "tandem_draft_wire_bytes_total") > 1e5
+        assert _rss(target.process.pid) - rss_before < 64 * 2**20, "the flood grew the target's memory"
+    assert metric(after, "tandem_num_requests_running") == 0
+
+
+def test_a_drafter_that_stops_reading_does_not_stall_the_target(scripted):
+    drafter, target, alone = scripted
+    drafter.mode = "stall"
+    started = time.monotonic()
+    for _ in range(3):
+        _greedy_unchanged(target, alone)
+    assert time.monotonic() - started < 120
+    drafter.release.set()
+
+
+async def test_a_drafter_that_stops_reading_cannot_grow_the_update_queue():
+    """In process: updates pile up for a drafter that never reads; past the bound the link is remade."""
+    import asyncio
+
+    from target_service.drafter_link import DrafterLink
+    from target_service.metrics import TargetMetrics
+
+    class NeverReads(drafter_pb2_grpc.DrafterServicer):
+        async def Info(self, request, context):
+            return drafter_pb2.DrafterInfo(model="stalled", vocab_size=VOCAB, tokenizer_fingerprint="fp", max_k=4)
+
+        async def Speculate(self, request_iterator, context):
+            await asyncio.Event().wait()
+
+    class Engine:
+        def reopen_all(self):
+            return drafter_pb2.TargetUpdate()
+
+        def on_proposals(self, message, wire_bytes):
+            raise AssertionError("a drafter that never answers sent a proposal")
+
+    server = grpc.aio.server()
+    drafter_pb2_grpc.add_DrafterServicer_to_server(NeverReads(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    link = DrafterLink(f"127.0.0.1:{port}", Engine(), TargetMetrics("test"), vocab_size=VOCAB,
+                       tokenizer_fingerprint="fp", reconnect_max_seconds=0.2, max_message_bytes=2**24,
+                       max_pending_updates=64)
+    link.start()
+    try:
+        update = drafter_pb2.TargetUpdate(extends=[drafter_pb2.SequenceExtend(seq_id=1, start=10,
+                                                                              token_ids=list(range(4000)))])
+        drops = peak = 0
+        for _ in range(3000):  # ~ 40 MB offered; a bound of 64 updates holds well under 1 MB
+            was = link.connected
+            link.send(update)
+            peak = max(peak, link._queue.qsize())
+            drops += was and not link.connected
+            await asyncio.sleep(0.001)
+        assert peak <= 64 and drops >= 1
+        for _ in range(100):  # and it reconnects
+            if link.connected:
+                break
+            await asyncio.sleep(0.05)
+        assert link.connected
+    finally:
+        await link.stop()
+        await server.stop(0)
