@@ -51,8 +51,10 @@ class NgramDrafter:
     def draft(self, jobs: list[DraftJob]) -> list[Draft]:
         drafts = []
         for job in jobs:
+            if job.sequence.closed:
+                continue
             token_ids = lookup(job.tokens, job.sequence.k, self.min_n, self.max_n)
-            if token_ids and not job.sequence.closed:
-                q_prime = point_mass(token_ids) if job.sequence.sampling.sends_probs else None
-                drafts.append(make_draft(job, token_ids, q_prime))
+            # An empty proposal tells the target there is nothing for this prefix, so it need not wait.
+            q_prime = point_mass(token_ids) if token_ids and job.sequence.sampling.sends_probs else None
+            drafts.append(make_draft(job, token_ids, q_prime))
         return drafts

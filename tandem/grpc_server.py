@@ -43,6 +43,15 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """The channel options, and acceptance of the clients' keepalive pings: gRPC servers answer
+    pings more often than every 5 minutes with GOAWAY "too_many_pings" by default."""
+    return channel_options(max_message_bytes) + [
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
 def set_torch_threads(threads: int) -> None:
     """One service per core by default: two busy services on two cores must not oversubscribe."""
     torch.set_num_threads(max(1, threads))
@@ -78,7 +87,7 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
     """Starts gRPC (with health and reflection) and the /metrics HTTP endpoint."""
-    server = grpc.aio.server(options=channel_options(options.max_message_bytes), interceptors=list(interceptors))
+    server = grpc.aio.server(options=server_options(options.max_message_bytes), interceptors=list(interceptors))
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -224,7 +224,7 @@ class Engine:
         bound = self.policy.wait_bound()
         deadline = time.perf_counter() + bound
         while bound > 0:
-            missing = [s for s in decoding if self._speculates(s) and usable_drafts(s, 1) is None]
+            missing = [s for s in decoding if self._awaits_drafts(s)]
             remaining = deadline - time.perf_counter()
             admissible = self.waiting and self._free_capacity() > 0
             if not missing or remaining <= 0 or (admissible and not self.policy.sync):
@@ -234,6 +234,11 @@ class Engine:
                 await asyncio.wait_for(self._wake.wait(), remaining)
             except asyncio.TimeoutError:
                 return
+
+    def _awaits_drafts(self, seq: Sequence) -> bool:
+        """Speculating, no usable draft, and the drafter has not yet answered for this prefix."""
+        return (self._speculates(seq) and usable_drafts(seq, 1) is None
+                and seq.drafter_answered_len != len(seq.token_ids))
 
     async def _in_executor(self, fn, items):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, items)
@@ -332,6 +337,9 @@ class Engine:
             seq = self.sequences.get(msg.seq_id)
             if seq is None or seq.finish is not None or seq.slot is None:
                 continue  # closed meanwhile: not the drafter's fault
+            seq.drafter_answered_len = max(seq.drafter_answered_len, min(msg.base_len, len(seq.token_ids)))
+            if not msg.token_ids:
+                continue  # nothing for this prefix
             try:
                 proposal = validate_proposal(msg, seq, self.loaded.config.vocab_size, self.link.max_k,
                                              self.link.probs_top_k, now)

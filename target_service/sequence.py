@@ -79,6 +79,7 @@ class Sequence:
     proposal: Proposal | None = None
     drafter_len: int = 0  # committed tokens the drafter has been told about
     drafter_sent_at: float | None = None  # when the drafter was last told, for the draft RTT
+    drafter_answered_len: int = 0  # the last prefix length the drafter answered, drafts or none
     draft_tokens: int = 0
     draft_steps: int = 0
     accepted_tokens: int = 0

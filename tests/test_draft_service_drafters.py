@@ -191,8 +191,9 @@ def test_ngram_drafter_sends_a_point_mass_only_when_sampling():
     sampled = Sequence((1, 2), tokens, SAMPLED, 3)
     nothing = Sequence((1, 3), [1, 2, 3], SAMPLED, 3)
     drafts = drafter.draft([DraftJob(s, list(s.tokens)) for s in (greedy, sampled, nothing)])
-    assert [d.key for d in drafts] == [greedy.key, sampled.key]
+    assert [d.key for d in drafts] == [greedy.key, sampled.key, nothing.key]
     assert drafts[0].token_ids == drafts[1].token_ids == [12, 13, 14]
+    assert drafts[2].token_ids == [] and drafts[2].probs == b"", "a miss is answered with an empty proposal"
     assert drafts[0].probs == b""
     q_prime = unpack(drafts[1].probs, 3, 1, VOCAB)
     assert drafts[1].probs_top_k == 1
