@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test test-all bench clean
+.PHONY: install demo test test-all bench bench-model clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,12 @@ test: install
 test-all: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m ''
 
+# The serving benchmark, short version (a few minutes); `$(PY) -m bench.serve --full` for the long one.
 bench: install
-	$(PY) bench/model_speed.py
+	HF_HUB_OFFLINE=1 $(PY) -m bench.serve
+
+bench-model: install
+	HF_HUB_OFFLINE=1 $(PY) bench/model_speed.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
