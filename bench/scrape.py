@@ -1,8 +1,8 @@
 """Reads the target's /metrics before and after each run, for what only the server sees (draft misses)."""
 from __future__ import annotations
 
-import re
-import urllib.request
+from tandem.metrics_scrape import metric, scrape
+
 
 COUNTERS = {
     "draft_miss": "tandem_draft_miss_total",
@@ -19,29 +19,6 @@ COUNTERS = {
     **{f"step_{kind}_{part}": (f"tandem_step_duration_seconds_{part}", {"kind": kind})
        for kind in ("prefill", "decode", "verify") for part in ("sum", "count")},
 }
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of a /metrics page, keyed by 'name{labels}' as exposed."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            samples[key] = float(value)
-    return samples
-
-
-def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    """The sum over the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for key, value in samples.items():
-        base, _, rest = key.partition("{")
-        if base == name:
-            found = dict(re.findall(r'(\w+)="([^"]*)"', rest))
-            if all(found.get(k) == v for k, v in labels.items()):
-                total += value
-    return total
 
 
 def counters(url: str) -> dict[str, float]:

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-import re
-import urllib.request
 
 import grpc
 
 from tandem.client import GenerationResult, generate, open_channel
+from tandem.metrics_scrape import metric, scrape  # noqa: F401 (re-exported to tests)
 from tandem.tls import ClientTls, bearer_metadata
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
@@ -21,30 +20,6 @@ PROMPTS = [
     "What is 12 times 12?",
     "Summarize: Tandem splits speculative decoding into a target service and a draft service.",
 ]
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of a /metrics page, keyed by 'name{labels}' exactly as exposed."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            samples[key] = float(value)
-    return samples
-
-
-def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    """The sum over samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for key, value in samples.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', rest))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += value
-    return total
 
 
 def greedy_request(prompt: str, max_tokens: int, **extra) -> generation_pb2.GenerateRequest:
