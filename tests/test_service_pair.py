@@ -33,20 +33,21 @@ def _wait_connected(target: ServiceProcess, connected: bool = True, timeout: flo
     raise AssertionError(f"tandem_drafter_connected did not become {int(connected)}")
 
 
-@pytest.fixture(scope="module")
-def ngram_pair(tmp_path_factory):
-    draft, target = _pair(tmp_path_factory, "ngram", ["--drafter", "ngram"])
-    yield draft, target
-    target.kill()
-    draft.kill()
+def _pair_fixture(drafter: str):
+    """A module-scoped pair with the given drafter, killed after the module."""
+
+    @pytest.fixture(scope="module")
+    def pair(tmp_path_factory):
+        draft, target = _pair(tmp_path_factory, drafter, ["--drafter", drafter])
+        yield draft, target
+        target.kill()
+        draft.kill()
+
+    return pair
 
 
-@pytest.fixture(scope="module")
-def model_pair(tmp_path_factory):
-    draft, target = _pair(tmp_path_factory, "model", ["--drafter", "model"])
-    yield draft, target
-    target.kill()
-    draft.kill()
+ngram_pair = _pair_fixture("ngram")
+model_pair = _pair_fixture("model")
 
 
 def _greedy_identity(target: ServiceProcess) -> None:
