@@ -9,7 +9,7 @@ import torch
 
 from kernels.compression import DEFAULT_TOP_K, MAX_VOCAB
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
-from tandem.registry import DEFAULT_MODEL
+from tandem.registry import DEFAULT_DRAFT_MODEL
 from tandem.runtime import resolve_dtype
 from tandem.tls import ServerTls
 
@@ -23,9 +23,10 @@ class DraftConfig:
     port: int = 50052
     metrics_port: int = 9092  # 0 turns /metrics off
     drafter: str = "model"  # one of DRAFTER_KINDS
-    model: str = DEFAULT_MODEL
+    model: str = DEFAULT_DRAFT_MODEL
+    drafter_target: str = ""  # a drafter file's target checkpoint; empty: the one the file names
     device: str = "cpu"
-    dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
+    dtype: str = "auto"  # bf16 for a drafter file and on CUDA, else fp32
     threads: int = 1  # torch threads; one core per service by default (DESIGN.md section 7)
     num_slots: int = 8
     max_model_len: int = 2048
@@ -64,10 +65,14 @@ HELP = {
     "port": "gRPC port",
     "metrics_port": "port of the Prometheus /metrics endpoint; 0 turns it off",
     "drafter": "model (a small model drafts) or ngram (prompt lookup, no model)",
-    "model": "embedded model name (smollm2-135m) or a path to a .gguf file or an HF folder; "
-             "the ngram drafter loads only its tokenizer, to report the vocabulary",
+    "model": "embedded name (smollm2-135m-draft, the distilled drafter; smollm2-135m), a .gguf file, an HF "
+             "folder, or a drafter file from python -m draft_service.distill; the ngram drafter loads only "
+             "its tokenizer, to report the vocabulary",
+    "drafter_target": "for a distilled drafter file: the target checkpoint whose embedding and head rows "
+                      "it uses (its fingerprint must match); empty: the target the file names",
     "device": "torch device of the draft model: cpu, cuda, cuda:1, ...",
-    "dtype": "auto, float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on CUDA)",
+    "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 for a distilled drafter file and on CUDA, "
+             "else float32)",
     "threads": "torch CPU threads; give each service its own cores",
     "num_slots": "KV slots: sequences drafted at once; further Opens are refused",
     "max_model_len": "the longest sequence, prompt included, that the drafter holds",

@@ -28,6 +28,14 @@ class SlotState:
     committed_len: int = 0  # base_len of the last round: what lies beyond it in `cached` are drafts
 
 
+@dataclass(frozen=True, slots=True)
+class DraftVocab:
+    """A reduced draft head: its rows are the target ids `ids` [N] of a vocabulary of vocab_size."""
+
+    ids: torch.Tensor  # [N] int64
+    vocab_size: int
+
+
 @dataclass(slots=True)
 class DrawnTokens:
     tokens: list[int]  # [B]
@@ -48,21 +56,28 @@ def stack_rows(rows: list[CompressedProbs]) -> CompressedProbs:
     return CompressedProbs(torch.cat([r.ids for r in rows]), torch.cat([r.fixed for r in rows]))
 
 
-def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list[int], probs_top_k: int) -> DrawnTokens:
-    """One draft token per row of logits [B, V], row b being the token at sequence position positions[b].
+def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list[int], probs_top_k: int,
+                draft_vocab: DraftVocab | None = None) -> DrawnTokens:
+    """One draft token per row of logits [B, N], row b being the token at sequence position positions[b].
 
-    Greedy rows take the argmax. Drafter-invariant rows draw from q with the noise the target
-    shares (`sample`'s default TARGET_SALT). The others draw from q' = decode(encode(q)) with
-    the drafter's own salt, and return q' for the wire.
+    Logits cover the vocabulary, or the draft vocabulary of a drafter with a reduced head,
+    whose q is zero elsewhere. Greedy rows take the argmax.
+    Drafter-invariant rows draw from q with the noise the target shares (`sample`'s default
+    TARGET_SALT). The others draw from q' = decode(encode(q)) with the drafter's own salt, and
+    return q' for the wire.
     """
     tokens = logits.argmax(dim=1)  # [B]
+    if draft_vocab is not None:
+        tokens = draft_vocab.ids[tokens]
     compressed: list[CompressedProbs | None] = [None] * len(samplings)
     device = logits.device
     invariant = [b for b, s in enumerate(samplings) if not s.greedy and s.invariant]
     rejection = [b for b, s in enumerate(samplings) if s.sends_probs]
     if invariant or rejection:
         rows = invariant + rejection
-        q = processed_probs(logits[rows], *_sampling_tensors([samplings[b] for b in rows], device))  # [S, V]
+        q = processed_probs(logits[rows], *_sampling_tensors([samplings[b] for b in rows], device))  # [S, N]
+        if draft_vocab is not None:
+            q = _scatter_to_vocabulary(q, draft_vocab)  # [S, V]
         seeds = torch.tensor([samplings[b].seed for b in rows], dtype=torch.int64, device=device)  # [S]
         pos = torch.tensor([positions[b] for b in rows], dtype=torch.int64, device=device)  # [S]
         drawn = torch.empty_like(seeds)  # [S]
@@ -80,6 +95,13 @@ def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list
     return DrawnTokens(tokens.tolist(), compressed)
 
 
+def _scatter_to_vocabulary(q: torch.Tensor, draft_vocab: DraftVocab) -> torch.Tensor:
+    """q [S, N] over the draft vocabulary as [S, V] over the whole vocabulary, zero outside it."""
+    full = q.new_zeros(q.shape[0], draft_vocab.vocab_size)
+    full[:, draft_vocab.ids] = q
+    return full
+
+
 def _sampling_tensors(samplings: list[Sampling], device: torch.device) -> tuple[torch.Tensor, ...]:
     """temperature, top_k, top_p, min_p [S] as processed_probs takes them."""
     return (
@@ -95,9 +117,13 @@ class ModelDrafter:
 
     kind = "model"
 
-    def __init__(self, model: LlamaModel, probs_top_k: int, metrics: DraftMetrics):
+    def __init__(self, model: LlamaModel, probs_top_k: int, metrics: DraftMetrics,
+                 draft_vocab: torch.Tensor | None = None):
         self.model = model
-        self.probs_top_k = min(probs_top_k, model.config.vocab_size)  # encode's K, which Info reports
+        vocab_size = model.config.vocab_size
+        self.draft_vocab = None if draft_vocab is None else DraftVocab(draft_vocab, vocab_size)
+        head_rows = vocab_size if draft_vocab is None else len(draft_vocab)
+        self.probs_top_k = min(probs_top_k, head_rows)  # encode's K, which Info reports
         self.metrics = metrics
         self._states: dict[SeqKey, SlotState] = {}
 
@@ -123,7 +149,7 @@ class ModelDrafter:
         active = list(range(len(jobs)))
         for step in range(max(budgets)):
             drawn = draw_tokens(logits, [jobs[i].sequence.sampling for i in active],
-                                [jobs[i].base_len + step for i in active], self.probs_top_k)
+                                [jobs[i].base_len + step for i in active], self.probs_top_k, self.draft_vocab)
             for i, token, row in zip(active, drawn.tokens, drawn.compressed):
                 drafted[i].append(token)
                 if row is not None:

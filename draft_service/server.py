@@ -19,8 +19,7 @@ from draft_service.ngram_drafter import NgramDrafter
 from draft_service.scheduler import DraftScheduler, Limits, Stream
 from tandem.config import ModelConfig
 from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
-from tandem.registry import resolve_model_path
-from tandem.runtime import load_model, load_tokenizer
+from tandem.runtime import load_model, load_tokenizer, tokenizer_path
 from tandem.tokenizer import Tokenizer
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -42,14 +41,14 @@ def load_drafter(config: DraftConfig) -> LoadedDrafter:
     metrics = DraftMetrics(config.model)
     drafter: Drafter
     if config.drafter == "model":
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                            num_slots=config.num_slots, max_model_len=config.max_model_len)
-        drafter = ModelDrafter(loaded.model, config.probs_top_k, metrics)
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device, num_slots=config.num_slots,
+                            max_model_len=config.max_model_len, drafter_target=config.drafter_target)
+        drafter = ModelDrafter(loaded.model, config.probs_top_k, metrics, loaded.draft_vocab)
         # The model's logits width: every id it can draft.
         vocab_size, tokenizer = loaded.config.vocab_size, loaded.tokenizer
     else:
         drafter = NgramDrafter(config.ngram_min_n, config.ngram_max_n)
-        path = resolve_model_path(config.model)
+        path = tokenizer_path(config.model, config.drafter_target)
         tokenizer = load_tokenizer(path)
         vocab_size = model_vocab_size(path, tokenizer)
     info = drafter_pb2.DrafterInfo(model=config.model, vocab_size=vocab_size,

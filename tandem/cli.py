@@ -10,7 +10,7 @@ from tandem.tls import ClientTls, read_token
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem client")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="stream one generation")
@@ -71,7 +71,7 @@ async def run_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     sys.exit(asyncio.run(run_generate(args)))
 
 

@@ -9,8 +9,9 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from tandem.cli import run_generate
+from tandem.cli import parser as cli_parser, run_generate
 from tandem.launch import ServiceProcess
+from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
 PROMPT = "Write a short paragraph about why the ocean looks blue, then list three ocean animals."
 
@@ -18,15 +19,18 @@ PROMPT = "Write a short paragraph about why the ocean looks blue, then list thre
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--drafter", choices=["model", "ngram"], default="model")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the target")
+    parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL,
+                        help="the model drafter's model: the distilled drafter by default")
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="tandem-demo-"))
-    draft = ServiceProcess("draft_service", ["--drafter", args.drafter, "--model", args.model, "--threads", "1"],
+    draft_model = args.draft_model if args.drafter == "model" else args.model
+    draft = ServiceProcess("draft_service", ["--drafter", args.drafter, "--model", draft_model, "--threads", "1"],
                            log_path=logs / "draft.log")
     target = ServiceProcess("target_service", ["--model", args.model, "--threads", "1", "--drafter", draft.address],
                             log_path=logs / "target.log")
-    print(f"starting the draft service ({args.drafter}) and the target service; logs in {logs}")
+    print(f"starting the draft service ({args.drafter}: {draft_model}) and the target service; logs in {logs}")
     try:
         draft.start()
         target.start()
@@ -34,11 +38,8 @@ def main() -> None:
         target.wait_healthy()
         print(f"target on {target.address} (metrics {target.metrics_url}), drafter on {draft.address}\n")
         print(f"> {PROMPT}\n")
-        cli_args = argparse.Namespace(
-            target=target.address, prompt=PROMPT, chat=True, system="", temperature=0.0, top_p=1.0, top_k=0,
-            min_p=0.0, seed=None, max_tokens=args.max_tokens, stop=[], no_speculate=False,
-            num_speculative_tokens=None,
-        )
+        cli_args = cli_parser().parse_args(["generate", PROMPT, "--chat", "--target", target.address,
+                                        "--max-tokens", str(args.max_tokens)])
         asyncio.run(run_generate(cli_args))
     finally:
         codes = (target.terminate(), draft.terminate())

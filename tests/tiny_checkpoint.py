@@ -29,3 +29,16 @@ def write_tiny_model(folder: Path, seed: int, logit_scale: float = 12.0) -> Path
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"unk_token": "t0"}))
     return folder
+
+
+def write_tiny_drafter(path: Path, target: Path, layers_from: Path, draft_vocab: list[int]) -> Path:
+    """A drafter file for the tiny `target`: the first layer of the model at `layers_from` over draft_vocab."""
+    from tandem.loaders import load_checkpoint
+    from tandem.loaders.drafter_file import DrafterFile, save_drafter_file, weights_fingerprint
+
+    _, target_weights = load_checkpoint(target)
+    _, source = load_checkpoint(layers_from)
+    drafter = DrafterFile(layers=source.layers[:1], norm=source.norm, draft_vocab=torch.tensor(draft_vocab),
+                          target=str(target), target_fingerprint=weights_fingerprint(target_weights), training={})
+    save_drafter_file(path, drafter, dtype=torch.float32)
+    return path

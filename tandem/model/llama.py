@@ -108,13 +108,25 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Returns float32 logits [num_logits, vocab] at the positions the chunks asked for."""
+        """Returns float32 logits [num_logits, head_rows] at the positions the chunks asked for.
+
+        head_rows is the vocabulary, or a drafter's reduced draft vocabulary.
+        """
+        return self.logits(self.final_hidden(batch))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, head_rows] of normed hidden states [rows, hidden]."""
+        return self._lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def final_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The normed last hidden state [num_logits, hidden] that the lm_head reads."""
         hidden = self._embed.rows(batch.input_ids)  # [T, hidden]
         for index, layer in enumerate(self._layers):
             hidden = self._layer(index, layer, hidden, batch)
         last = hidden[batch.logits_indices]  # [num_logits, hidden]
-        last = self._norm(last, self._final_norm)
-        return self._lm_head(last).float()
+        return self._norm(last, self._final_norm)
 
     def run(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         return self.forward(self.build_batch(chunks))

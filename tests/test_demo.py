@@ -1,0 +1,18 @@
+"""`make demo` as a new user runs it: both services start, a chat streams with drafts accepted, both stop."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+
+def test_the_demo_streams_a_chat_with_the_distilled_drafter_and_stops_cleanly():
+    done = subprocess.run([sys.executable, "-m", "tandem.demo", "--max-tokens", "24"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "smollm2-135m-draft" in done.stdout
+    summary = re.search(r"(\d+) tokens · .* acceptance (\d+)% · mean acceptance length ([\d.]+)", done.stdout)
+    assert summary, done.stdout
+    assert int(summary.group(1)) == 24
+    assert int(summary.group(2)) > 0 and float(summary.group(3)) > 1, "no draft was accepted"
+    assert "stopped both services (exit codes 0, 0)" in done.stdout

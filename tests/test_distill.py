@@ -1,0 +1,102 @@
+"""The distilled drafter: training math equals the runtime's, runs repeat, files load only on their target."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_service.distill.__main__ import DistillConfig, run
+from draft_service.distill.student import Student
+from draft_service.distill.train import draft_vocabulary
+from draft_service.distill.teacher import TeacherSequence
+from tandem.loaders import CheckpointError, load_checkpoint
+from tandem.loaders.drafter_file import read_drafter_file
+from tandem.model.batch import SequenceChunk
+from tandem.model.rope import rope_inv_freq
+from tandem.runtime import load_model
+from tiny_checkpoint import VOCAB, write_tiny_drafter, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("distill")
+    write_tiny_model(root / "target", seed=0)
+    write_tiny_model(root / "other", seed=1)
+    return root
+
+
+def _distill(tiny: Path, out: str, seed: int = 0, teacher_data: str = "", max_new_tokens: int = 16) -> dict:
+    config = DistillConfig(target=str(tiny / "target"), out=str(tiny / out), num_prompts=24,
+                           max_new_tokens=max_new_tokens, generation_batch=8, layers=1, draft_vocab=20, steps=40,
+                           eval_every=1000, held_out=0.25, seed=seed, device="cpu", teacher_data=teacher_data)
+    return run(config)
+
+
+def test_student_logits_equal_the_runtime_drafter_on_the_same_weights(tiny):
+    vocab = [0, 2, 3, 5, 8, 13, 21, 31]
+    path = write_tiny_drafter(tiny / "parity.safetensors", tiny / "target", tiny / "other", vocab)
+    drafter = read_drafter_file(path)
+    config, weights = load_checkpoint(tiny / "target")
+    student = Student(config, drafter.layers, drafter.norm, weights.embed, weights.lm_head[drafter.draft_vocab],
+                      rope_inv_freq(config), max_len=64, device=torch.device("cpu"))
+    tokens = [3, 17, 9, 25, 4, 4, 30, 1, 2]
+    with torch.no_grad():
+        expected = student(torch.tensor([tokens]))[0]  # [T, N]
+    loaded = load_model(str(path), drafter_target=str(tiny / "target"), max_model_len=64, dtype="float32")
+    got = loaded.model.run([SequenceChunk(0, 0, tokens, num_logits=len(tokens))])  # [T, N]
+    assert loaded.draft_vocab.tolist() == vocab
+    assert got.shape == (len(tokens), len(vocab))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_drafter_file_refuses_a_target_it_was_not_trained_for(tiny):
+    path = write_tiny_drafter(tiny / "wrong.safetensors", tiny / "target", tiny / "target", list(range(VOCAB)))
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        load_model(str(path), drafter_target=str(tiny / "other"), max_model_len=64)
+
+
+def test_distillation_repeats_exactly_and_raises_held_out_acceptance(tiny, caplog):
+    """The second run reads the teacher data the first one cached: the same data, so the same weights."""
+    cache = str(tiny / "teacher.pt")
+    first = _distill(tiny, "a.safetensors", teacher_data=cache)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="draft_service.distill"):
+        second = _distill(tiny, "b.safetensors", teacher_data=cache)
+    assert f"loaded 24 teacher sequences from {cache}" in caplog.text
+    a, b = read_drafter_file(tiny / "a.safetensors"), read_drafter_file(tiny / "b.safetensors")
+    assert torch.equal(a.draft_vocab, b.draft_vocab) and len(a.draft_vocab) == 20
+    assert torch.equal(a.norm, b.norm)
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        for name in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down"):
+            assert torch.equal(getattr(la, name), getattr(lb, name)), name
+    assert first["held_out_after"] == second["held_out_after"]
+    before, after = first["held_out_before"], first["held_out_after"]
+    assert after["alpha"] > before["alpha"] + 0.05
+    assert after["alpha"] <= after["coverage"] + 1e-6  # q is zero outside the draft vocabulary
+    different = _distill(tiny, "c.safetensors", seed=1)
+    assert different["held_out_after"] != first["held_out_after"]
+
+
+def test_draft_vocabulary_takes_the_most_frequent_completion_tokens():
+    hidden = torch.zeros(1, 4)
+    sequences = [TeacherSequence([9, 9, 1, 1, 1, 2, 2, 7], prompt_len=2, hidden=hidden)]
+    # Completion [1, 1, 1, 2, 2, 7]: 1 then 2 then 7; the prompt's 9 does not count; ties fill with low ids.
+    assert draft_vocabulary(sequences, 2, 10).tolist() == [1, 2]
+    assert draft_vocabulary(sequences, 5, 10).tolist() == [0, 1, 2, 3, 7]
+    with pytest.raises(ValueError, match="draft-vocab"):
+        draft_vocabulary(sequences, 11, 10)
+
+
+def test_a_drafter_file_runs_in_bfloat16_unless_told_otherwise(tiny):
+    path = write_tiny_drafter(tiny / "dtype.safetensors", tiny / "target", tiny / "other", list(range(VOCAB)))
+    assert load_model(str(path), drafter_target=str(tiny / "target"), max_model_len=64).model.dtype == torch.bfloat16
+    assert load_model(str(tiny / "target"), max_model_len=64).model.dtype == torch.float32
+
+
+def test_cached_teacher_data_from_other_flags_is_refused(tiny):
+    cache = str(tiny / "teacher-other.pt")
+    _distill(tiny, "d.safetensors", teacher_data=cache)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        _distill(tiny, "e.safetensors", teacher_data=cache, max_new_tokens=8)
