@@ -17,7 +17,9 @@ HELP = {
     "max_num_seqs": "running sequences, each holding one KV-cache slot",
     "max_queue": "waiting requests beyond which new ones get RESOURCE_EXHAUSTED",
     "drafter": "host:port of a draft service; empty serves without speculation",
-    "draft_wait_ms": "the most a step waits for late drafts; 0 never waits",
+    "draft_wait_ms": "the most a step waits for late drafts; it waits less when the drafts are worth less "
+                     "(expected accepted tokens x step time) and not at all for a drafter slower than that; "
+                     "0 never waits",
     "sync_speculation": "wait for the drafter every step (the blocking baseline, for benchmarks)",
     "grace_seconds": "on SIGTERM, how long running requests may take to finish",
     "max_message_bytes": "the largest gRPC message either way, on both links",

@@ -20,7 +20,7 @@ class TargetConfig:
     max_queue: int = 64  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
     drafter: str = ""  # host:port of the draft service; empty serves without speculation
     num_speculative_tokens: int = 4
-    draft_wait_ms: float = 3.0  # the most a step waits for drafts; 0 never waits
+    draft_wait_ms: float = 50.0  # the most a step waits for drafts (the policy usually waits less); 0 never waits
     sync_speculation: bool = False  # wait for each step's drafts (the pre-non-blocking baseline)
     reconnect_max_seconds: float = 5.0
     grace_seconds: float = 30.0

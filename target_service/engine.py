@@ -170,31 +170,44 @@ class Engine:
         await self._emit(admitted, [Verified(tokens=[token], num_accepted=0) for token in tokens])
 
     async def _verify(self, decoding: list[Sequence]) -> None:
-        items = [self._verify_item(s) for s in decoding]
+        budget = self.policy.draft_limit(len(decoding), [self._num_usable(s) for s in decoding])
+        items = [self._verify_item(s, budget) for s in decoding]
         kind = "verify" if any(i.num_drafts for i in items) else "decode"
         started = time.perf_counter()
         results = await self._in_executor(self.runner.verify, items)
         elapsed = time.perf_counter() - started
         self.metrics.child(self.metrics.step, kind=kind).observe(elapsed)
-        self.policy.observe_step(elapsed)
+        self.policy.observe_step(sum(1 + i.num_drafts for i in items), elapsed)
         live = [(seq, item, result) for seq, item, result in zip(decoding, items, results) if seq.finish is None]
         for seq, item, result in live:
             self._record_verification(seq, item, result)
         await self._emit([seq for seq, _, _ in live], [result for _, _, result in live])
 
-    def _verify_item(self, seq: Sequence) -> VerifyItem:
+    def _draft_cap(self, seq: Sequence) -> int:
+        """The most drafts this sequence can verify: its k, the tokens it may still add, the cache."""
+        if not self._speculates(seq):
+            return 0
+        return max(0, min(seq.options.num_speculative_tokens, seq.remaining_tokens - 1,
+                          self.kv_cache.max_len - len(seq.token_ids)))
+
+    def _num_usable(self, seq: Sequence) -> int:
+        drafts = usable_drafts(seq, self._draft_cap(seq))
+        return 0 if drafts is None else len(drafts.tokens)
+
+    def _verify_item(self, seq: Sequence, budget: int) -> VerifyItem:
+        """At most `budget` of the sequence's drafts: having none is a miss, the budget's cap is not."""
         drafts = None
-        if self._speculates(seq):
-            limit = min(seq.options.num_speculative_tokens, seq.remaining_tokens - 1,
-                        self.kv_cache.max_len - len(seq.token_ids))
-            drafts = usable_drafts(seq, limit)
-            if drafts is not None and drafts.salvaged:
-                self.metrics.child(self.metrics.draft_stale, outcome="salvaged").inc()
-            elif drafts is None and limit > 0:
+        cap = self._draft_cap(seq)
+        if cap > 0:
+            if usable_drafts(seq, cap) is None:
                 self.metrics.draft_miss.inc()
                 if is_stale_mismatch(seq):
                     self.metrics.child(self.metrics.draft_stale, outcome="dropped").inc()
                     seq.proposal = None
+            else:
+                drafts = usable_drafts(seq, min(cap, budget))
+                if drafts is not None and drafts.salvaged:
+                    self.metrics.child(self.metrics.draft_stale, outcome="salvaged").inc()
         return VerifyItem(slot=seq.slot, length=len(seq.token_ids), last_token=seq.token_ids[-1],
                           drafts=drafts, options=seq.options)
 
@@ -204,7 +217,7 @@ class Engine:
         seq.draft_tokens += item.num_drafts
         seq.draft_steps += 1
         seq.accepted_tokens += result.num_accepted
-        self.policy.observe_verify(result.num_accepted)
+        self.policy.observe_verify(result.num_accepted, item.num_drafts)
         m = self.metrics
         m.num_drafts.inc()
         m.num_draft_tokens.inc(item.num_drafts)
@@ -218,8 +231,11 @@ class Engine:
 
         A new request ends the wait at once, so that waiting for drafts never delays a prefill,
         except in synchronous mode, whose point is to block as the pre-non-blocking design did.
+        No wait when the step would verify no drafts even if every sequence had all it can use.
         """
         if self.link is None or not self.link.connected:
+            return
+        if self.policy.draft_limit(len(decoding), [self._draft_cap(s) for s in decoding]) == 0:
             return
         bound = self.policy.wait_bound()
         deadline = time.perf_counter() + bound
@@ -349,5 +365,6 @@ class Engine:
                 continue
             if proposal.base_len == seq.drafter_len and seq.drafter_sent_at is not None:
                 self.metrics.draft_rtt.observe(now - seq.drafter_sent_at)
+                self.policy.observe_draft_rtt(now - seq.drafter_sent_at)
             seq.proposal = proposal
         self._wake.set()

@@ -1,29 +1,105 @@
-"""How long a step may wait for drafts: only as long as the drafts are expected to pay for it."""
+"""How long a step may wait for drafts, and how many it verifies: only as many as pay for themselves."""
 from __future__ import annotations
 
 from target_service.config import TargetConfig
 
 _SMOOTHING = 0.1  # weight of the newest observation in the moving averages
+_MODEL_SMOOTHING = 0.02  # the same for the step-cost fit and alpha: slower, as they steer every step
+_MIN_SPREAD = 0.01  # tokens^2: below this variance of step sizes the cost slope would be noise
+_MIN_SECONDS = 1e-6  # keeps the fitted step time positive
+_EXPLORE_EVERY = 16  # one step in this many verifies one draft fewer than the best, or one
 
 
 class SpeculationPolicy:
     """Waiting w seconds pays off when the tokens the drafts are expected to add, E[accepted],
     each saving about one step, are worth more than w. So the bound is E[accepted] * step time,
-    capped by --draft-wait-ms, and it shrinks to nothing for a drafter whose drafts are rejected."""
+    capped by --draft-wait-ms, and it shrinks to nothing for a drafter whose drafts are rejected.
+    When the drafter's answers take longer than that bound, waiting buys nothing: no wait at all,
+    and its late drafts are salvaged where the committed tokens match them.
+
+    Verifying drafts also lengthens the step, by more the larger the batch, so draft_limit caps the
+    drafts per sequence where the expected tokens per second are highest, from a fitted cost model
+    of a step and the measured per-draft acceptance rate alpha."""
 
     def __init__(self, config: TargetConfig):
         self.max_wait = config.draft_wait_ms / 1000.0
         self.sync = config.sync_speculation
         self.mean_accepted = 1.0  # optimistic until measured, so that a new drafter gets a chance
         self.mean_step = self.max_wait
+        self.mean_rtt = 0.0  # update sent -> proposal received; optimistic until measured
+        self._steps = 0
+        self._fit = [0.0] * 5  # exponentially weighted sums of 1, n, t, n*n, n*t over steps
+        self._accepted = self._judged = 1.0  # alpha = 1 until measured, so that drafts get tried
 
-    def observe_verify(self, num_accepted: int) -> None:
+    def observe_verify(self, num_accepted: int, num_drafts: int) -> None:
+        """One sequence's verification: num_accepted of its num_drafts drafts were accepted."""
         self.mean_accepted += _SMOOTHING * (num_accepted - self.mean_accepted)
+        # Drafts are judged in order up to the first rejection: the drafts after it say nothing
+        # about alpha, and counting them would bias it low against the geometric model below.
+        judged = num_accepted + (num_accepted < num_drafts)
+        keep = 1 - _MODEL_SMOOTHING
+        self._accepted = keep * self._accepted + num_accepted
+        self._judged = keep * self._judged + judged
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode or verify step: one forward pass over num_tokens tokens took `seconds`."""
         self.mean_step += _SMOOTHING * (seconds - self.mean_step)
+        self._steps += 1
+        keep = 1 - _MODEL_SMOOTHING
+        sample = (1.0, num_tokens, seconds, num_tokens * num_tokens, num_tokens * seconds)
+        self._fit = [keep * total + x for total, x in zip(self._fit, sample)]
+
+    def observe_draft_rtt(self, seconds: float) -> None:
+        self.mean_rtt += _SMOOTHING * (seconds - self.mean_rtt)
+
+    @property
+    def alpha(self) -> float:
+        """The probability that a draft is accepted, given that the drafts before it were."""
+        return self._accepted / self._judged
+
+    def cost_model(self) -> tuple[float, float]:
+        """(fixed, per_token) seconds of a step, fitted by exponentially weighted least squares.
+
+        Until the steps seen differ in size, extra tokens look free, so that speculation gets tried.
+        """
+        w, n, t, nn, nt = self._fit
+        if w == 0:
+            return _MIN_SECONDS, 0.0
+        mean_n, mean_t = n / w, t / w
+        spread = nn / w - mean_n * mean_n
+        per_token = max(0.0, (nt / w - mean_n * mean_t) / spread) if spread > _MIN_SPREAD else 0.0
+        return max(mean_t - per_token * mean_n, _MIN_SECONDS), per_token
+
+    def draft_limit(self, batch_size: int, available: list[int]) -> int:
+        """The drafts per sequence, k, that maximize a step's expected tokens per second.
+
+        Sequence i verifies min(k, available[i]) drafts, whose j-th is accepted with probability
+        alpha**j, so the rate is (B + sum_i sum_{j <= min(k, a_i)} alpha**j) / step seconds, and a
+        step over n tokens takes fixed + per_token * n seconds by the fitted cost_model.
+        One step in _EXPLORE_EVERY verifies one draft per sequence fewer than the best k, or one
+        when the best is none: steps of one size would leave the cost per token unmeasured, and
+        verifying none, alpha, so a costlier batch or a better drafter would go unnoticed.
+        Synchronous speculation, the blocking baseline, verifies everything.
+        """
+        most = max(available, default=0)
+        if self.sync:
+            return most
+        alpha, (fixed, per_token) = self.alpha, self.cost_model()
+        tokens, expected = batch_size, float(batch_size)
+        best, best_rate = 0, expected / (fixed + per_token * tokens)
+        for k in range(1, most + 1):
+            reaching = sum(a >= k for a in available)  # sequences that verify a k-th draft
+            tokens += reaching
+            expected += reaching * alpha**k
+            rate = expected / (fixed + per_token * tokens)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if self._steps % _EXPLORE_EVERY == _EXPLORE_EVERY - 1:  # the last of each _EXPLORE_EVERY
+            return best - 1 if best else min(1, most)
+        return best
 
     def wait_bound(self) -> float:
         if self.sync:
             return 1.0  # synchronous speculation: wait for the drafter, bounded so a dead one can't stall us
-        return min(self.max_wait, self.mean_accepted * self.mean_step)
+        bound = min(self.max_wait, self.mean_accepted * self.mean_step)
+        return bound if self.mean_rtt <= bound else 0.0

@@ -1,0 +1,131 @@
+"""The draft-wait bound: as long as drafts are worth, and nothing when they come too late to be.
+The draft budget: as many drafts per sequence as the step's expected tokens per second reward."""
+from __future__ import annotations
+
+import pytest
+
+from target_service.config import TargetConfig
+from target_service.speculation import SpeculationPolicy
+
+
+def _policy(draft_wait_ms: float, sync: bool = False) -> SpeculationPolicy:
+    policy = SpeculationPolicy(TargetConfig(draft_wait_ms=draft_wait_ms, sync_speculation=sync))
+    for _ in range(200):  # long enough for the moving averages to settle
+        policy.observe_step(1, 0.040)
+        policy.observe_verify(2, 4)
+    return policy
+
+
+def test_the_bound_is_expected_accepted_tokens_times_step_time_capped_by_the_flag():
+    assert _policy(draft_wait_ms=500).wait_bound() == pytest.approx(2 * 0.040, rel=1e-3)
+    assert _policy(draft_wait_ms=30).wait_bound() == pytest.approx(0.030)
+    assert _policy(draft_wait_ms=0).wait_bound() == 0
+
+
+def test_a_drafter_slower_than_the_bound_is_not_waited_for_until_it_speeds_up():
+    policy = _policy(draft_wait_ms=30)
+    for _ in range(200):
+        policy.observe_draft_rtt(0.100)
+    assert policy.wait_bound() == 0
+    for _ in range(200):
+        policy.observe_draft_rtt(0.010)
+    assert policy.wait_bound() == pytest.approx(0.030)
+
+
+def test_rejected_drafts_shrink_the_bound():
+    policy = _policy(draft_wait_ms=500)
+    for _ in range(200):
+        policy.observe_verify(0, 4)
+    assert policy.wait_bound() < 0.001
+
+
+def test_synchronous_speculation_waits_for_the_drafter_whatever_it_costs():
+    policy = _policy(draft_wait_ms=3, sync=True)
+    for _ in range(200):
+        policy.observe_draft_rtt(0.5)
+    assert policy.wait_bound() == 1.0
+
+
+def _fitted(fixed: float, per_token: float, alpha: float, sync: bool = False) -> SpeculationPolicy:
+    """A policy that has seen steps of several sizes cost fixed + per_token * n, and drafts accepted
+    at a rate alpha (ten verifications of one draft, alpha * 10 of them accepted, repeated)."""
+    policy = SpeculationPolicy(TargetConfig(sync_speculation=sync))
+    for step in range(400):
+        n = (1, 4, 16, 48)[step % 4]
+        policy.observe_step(n, fixed + per_token * n)
+    for i in range(400):
+        policy.observe_verify(int(i % 10 < alpha * 10), 1)
+    assert policy.alpha == pytest.approx(alpha, abs=0.05)
+    return policy
+
+
+def _limits(policy: SpeculationPolicy, steps: int, batch_size: int, available: list[int],
+            fixed: float, per_token: float) -> list[int]:
+    """The draft limit of each of `steps` steps, each observed at the cost fixed + per_token * n."""
+    limits = []
+    for _ in range(steps):
+        limits.append(policy.draft_limit(batch_size, available))
+        n = batch_size + sum(min(limits[-1], a) for a in available)
+        policy.observe_step(n, fixed + per_token * n)
+    return limits
+
+
+def test_the_cost_model_recovers_the_fixed_and_per_token_cost_of_a_step():
+    fixed, per_token = _fitted(fixed=0.030, per_token=0.002, alpha=0.5).cost_model()
+    assert fixed == pytest.approx(0.030)
+    assert per_token == pytest.approx(0.002)
+
+
+def test_extra_tokens_look_free_until_steps_of_different_sizes_are_seen():
+    policy = SpeculationPolicy(TargetConfig())
+    assert policy.draft_limit(16, [4] * 16) == 4
+    for _ in range(50):
+        policy.observe_step(16, 0.100)
+    assert policy.cost_model() == (pytest.approx(0.100), 0.0)
+
+
+def test_alpha_counts_the_drafts_judged_up_to_the_first_rejection():
+    policy = SpeculationPolicy(TargetConfig())
+    for _ in range(1000):
+        policy.observe_verify(2, 4)  # two accepted, the third rejected, the fourth never judged
+    assert policy.alpha == pytest.approx(2 / 3)
+    for _ in range(1000):
+        policy.observe_verify(4, 4)
+    assert policy.alpha == pytest.approx(1.0)
+
+
+def test_at_batch_one_with_good_drafts_and_cheap_tokens_every_draft_is_verified():
+    policy = _fitted(fixed=0.030, per_token=0.0005, alpha=0.7)
+    limits = _limits(policy, 16, 1, [5], fixed=0.030, per_token=0.0005)
+    assert sorted(limits) == [4] + [5] * 15  # one step explores one draft fewer
+    assert set(_limits(policy, 16, 1, [3], fixed=0.030, per_token=0.0005)) <= {2, 3}  # never more than there are
+
+
+def test_at_batch_sixteen_with_poor_drafts_and_costly_tokens_none_are_verified():
+    policy = _fitted(fixed=0.010, per_token=0.004, alpha=0.3)
+    limits = _limits(policy, 16, 16, [5] * 16, fixed=0.010, per_token=0.004)
+    assert sorted(limits) == [0] * 15 + [1]  # one step explores a draft
+
+
+def test_when_no_drafts_pay_one_step_in_sixteen_still_verifies_one():
+    policy = _fitted(fixed=0.010, per_token=0.004, alpha=0.3)
+    limits = _limits(policy, 64, 16, [5] * 16, fixed=0.010, per_token=0.004)
+    explored = [i for i, limit in enumerate(limits) if limit]
+    assert [limits[i] for i in explored] == [1] * 4
+    assert [b - a for a, b in zip(explored, explored[1:])] == [16] * 3
+    assert set(_limits(policy, 16, 16, [0] * 16, fixed=0.010, per_token=0.004)) == {0}  # nothing to explore with
+
+
+def test_a_batch_whose_steps_all_look_alike_still_learns_what_drafts_cost():
+    policy = SpeculationPolicy(TargetConfig())  # extra tokens look free: every draft at first
+    for i in range(400):
+        policy.observe_verify(int(i % 10 < 3), 1)
+    limits = _limits(policy, 64, 16, [5] * 16, fixed=0.010, per_token=0.004)
+    assert limits[0] == 5
+    assert sorted(limits[-16:]) == [0] * 15 + [1]
+    assert policy.cost_model() == (pytest.approx(0.010), pytest.approx(0.004))
+
+
+def test_synchronous_speculation_verifies_every_draft_whatever_it_costs():
+    policy = _fitted(fixed=0.010, per_token=0.004, alpha=0.0, sync=True)
+    assert _limits(policy, 16, 16, [5, 2] + [0] * 14, fixed=0.010, per_token=0.004) == [5] * 16
