@@ -34,7 +34,7 @@ class _TokenClock:
 
 
 class HFBaseline:
-    def __init__(self, model_name: str, threads: int):
+    def __init__(self, model_name: str, draft_model_name: str, threads: int):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -48,15 +48,52 @@ class HFBaseline:
         self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                           dtype=torch.float32).eval()
         self._assistant = None
-        self._model_name, self._path = model_name, path
+        self._draft_path = resolve_model_path(draft_model_name)
 
     def assistant(self):
-        """The draft model for assisted generation: the same SmolLM2 (no smaller sibling yet)."""
+        """The draft model for assisted generation: the distilled drafter's layers as an HF Llama.
+
+        HF's assistant needs a full-vocabulary head, so it gets the target's tied embedding
+        rather than the draft-vocabulary rows: a little more accurate and a little slower than ours.
+        A checkpoint (not a drafter file) loads as it is.
+        """
         if self._assistant is None:
-            from transformers import AutoModelForCausalLM
-            self._assistant = AutoModelForCausalLM.from_pretrained(
-                self._path.parent, gguf_file=self._path.name, dtype=self.torch.float32).eval()
+            from tandem.loaders.drafter_file import is_drafter_file
+            if is_drafter_file(self._draft_path):
+                self._assistant = self._assistant_from_drafter_file()
+            else:
+                from transformers import AutoModelForCausalLM
+                self._assistant = AutoModelForCausalLM.from_pretrained(
+                    self._draft_path.parent, gguf_file=self._draft_path.name, dtype=self.torch.float32).eval()
         return self._assistant
+
+    def _assistant_from_drafter_file(self):
+        import copy
+
+        from transformers import LlamaForCausalLM
+
+        from tandem.loaders.drafter_file import read_drafter_file
+
+        drafter = read_drafter_file(self._draft_path)
+        config = copy.deepcopy(self.model.config)
+        config.num_hidden_layers = len(drafter.layers)
+        assistant = LlamaForCausalLM(config).eval()
+        state = {"model.embed_tokens.weight": self.model.model.embed_tokens.weight.detach(),
+                 "lm_head.weight": self.model.lm_head.weight.detach(), "model.norm.weight": drafter.norm}
+        q_size = config.num_attention_heads * config.head_dim
+        kv_size = config.num_key_value_heads * config.head_dim
+        for i, layer in enumerate(drafter.layers):
+            q, k, v = layer.qkv.split([q_size, kv_size, kv_size])
+            gate, up = layer.gate_up.chunk(2)
+            prefix = f"model.layers.{i}."
+            state.update({prefix + "input_layernorm.weight": layer.attn_norm,
+                          prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
+                          prefix + "self_attn.v_proj.weight": v, prefix + "self_attn.o_proj.weight": layer.o,
+                          prefix + "post_attention_layernorm.weight": layer.mlp_norm,
+                          prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
+                          prefix + "mlp.down_proj.weight": layer.down})
+        assistant.load_state_dict(state, strict=True)
+        return assistant
 
     def run(self, prompts: list[Prompt], max_tokens: int, drafter: str | None, k: int) -> RunResult:
         """drafter None: generate alone; "ngram": prompt lookup; "model": assistant_model."""

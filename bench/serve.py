@@ -2,6 +2,7 @@
 
     python -m bench.serve            # the short version (a few minutes on a 2-core box)
     python -m bench.serve --full     # the long one: every prompt, concurrency 1/4/16, both drafters
+                                     # (model: the distilled smollm2-135m-draft; ngram: prompt lookup)
 
 Modes, on the same prompts, interleaved round by round so that a noisy machine hits all alike:
   alone  the target with speculation off (SamplingParams.speculate=False, same process as async)
@@ -33,6 +34,7 @@ from bench.prompt_set import KINDS, Prompt, load_prompts
 from bench.scrape import counters, delta, metric, scrape, server_summary
 from bench.stats import ratio, summarize
 from tandem.launch import ServiceProcess
+from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
 RESULTS_DIR = Path(__file__).parent / "results"
 TANDEM_MODES = ("alone", "async", "sync")
@@ -52,12 +54,13 @@ class BenchConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
     rate: float = 2.0  # open loop, requests/s; 0 skips it
     open_loop_temperatures: list[float] = field(default_factory=lambda: [0.0])
-    drafters: list[str] = field(default_factory=lambda: ["ngram"])
+    drafters: list[str] = field(default_factory=lambda: ["model"])
     num_speculative_tokens: int = 4
     rounds: int = 2  # the prompts are split in this many chunks; modes alternate chunk by chunk
     hf: bool = True
     hf_threads: int = 1  # as the target's --threads: one core for the model
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
+    draft_model: str = DEFAULT_DRAFT_MODEL  # the model drafter's model: the distilled drafter
     seed: int = 0
     out: str = str(RESULTS_DIR)
 
@@ -84,11 +87,13 @@ class Pair:
     @classmethod
     def start(cls, config: BenchConfig, drafter: str, logs: Path) -> "Pair":
         slots = config.max_concurrency
-        common = ["--threads", "1", "--model", config.model, "--max-model-len", "1024"]
-        draft = ServiceProcess("draft_service", [*common, "--drafter", drafter, "--num-slots", str(2 * slots),
+        common = ["--threads", "1", "--max-model-len", "1024"]
+        draft_model = config.draft_model if drafter == "model" else config.model
+        draft = ServiceProcess("draft_service", [*common, "--model", draft_model, "--drafter", drafter,
+                                                 "--num-slots", str(2 * slots),
                                                  "--max-k", str(max(8, config.num_speculative_tokens))],
                                log_path=logs / f"draft-{drafter}.log").start()
-        target_args = [*common, "--drafter", draft.address, "--max-num-seqs", str(slots),
+        target_args = [*common, "--model", config.model, "--drafter", draft.address, "--max-num-seqs", str(slots),
                        "--max-queue", str(max(64, 2 * slots)),
                        "--num-speculative-tokens", str(config.num_speculative_tokens)]
         targets = {
@@ -364,12 +369,13 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--temperatures", type=float, nargs="+", help="default 0 0.7")
     parser.add_argument("--rate", type=float, help="open-loop Poisson rate, requests/s; 0 skips it (default 2)")
     parser.add_argument("--open-loop-temperatures", type=float, nargs="+", help="default 0")
-    parser.add_argument("--drafters", nargs="+", choices=["ngram", "model"], help="default ngram")
+    parser.add_argument("--drafters", nargs="+", choices=["ngram", "model"], help="default model (the distilled drafter)")
     parser.add_argument("--num-speculative-tokens", type=int, help="k, for Tandem and HF (default 4)")
     parser.add_argument("--rounds", type=int, help="chunks the modes alternate over (default 2)")
     parser.add_argument("--no-hf", dest="hf", action="store_false", default=None, help="skip mode 4")
     parser.add_argument("--hf-threads", type=int, help="torch threads for HF (default 1, as the target)")
-    parser.add_argument("--model", help="default smollm2-135m")
+    parser.add_argument("--model", help=f"the target (default {DEFAULT_MODEL})")
+    parser.add_argument("--draft-model", help=f"the model drafter's model (default {DEFAULT_DRAFT_MODEL}, distilled)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--out", help="folder for latest.json and the PNGs (default bench/results)")
     args = vars(parser.parse_args(argv))
@@ -395,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
     hf = None
     if config.hf:
         from bench.hf_baseline import HFBaseline
-        hf = HFBaseline(config.model, config.hf_threads)
+        hf = HFBaseline(config.model, config.draft_model, config.hf_threads)
     print(HEADER, flush=True)
     cells = [c.to_json() for d in config.drafters for c in run_drafter(config, d, prompts, hf, logs)]
     env["loadavg_end"] = os.getloadavg()

@@ -43,7 +43,7 @@ def test_tiny_run_end_to_end(tmp_path):
     from bench.serve import main
 
     report = main(["--num-prompts", "2", "--max-tokens", "4", "--concurrency", "2", "--temperatures", "0",
-                   "--rate", "20", "--rounds", "1", "--no-hf", "--out", str(tmp_path)])
+                   "--rate", "20", "--rounds", "1", "--no-hf", "--drafters", "ngram", "--out", str(tmp_path)])
     cells = json.loads((tmp_path / "latest.json").read_text())["cells"]
     assert (tmp_path / "latency_ngram.png").stat().st_size > 10_000
     loads = {"c=2", "rate=20/s"}
