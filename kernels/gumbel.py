@@ -20,7 +20,7 @@ from kernels.ragged import (
     VerifyResult,
     check_ragged_batch,
     emit_tokens,
-    num_drafts_per_request,
+    empty_verify_result,
     num_leading,
     ragged_layout,
 )
@@ -70,15 +70,13 @@ def verify_invariant_triton(
     """Launch `_verify_invariant_kernel`, one program per request."""
     require_triton()
     batch, vocab = cu_num_draft_tokens.shape[0], target_probs.shape[1]
-    max_drafts = int(num_drafts_per_request(cu_num_draft_tokens).max()) if batch else 0
-    tokens = torch.full((batch, max_drafts + 1), -1, dtype=torch.int64, device=target_probs.device)
-    num_accepted = torch.empty(batch, dtype=torch.int32, device=target_probs.device)
+    result = empty_verify_result(cu_num_draft_tokens)
     if batch:
         _verify_invariant_kernel[(batch,)](
-            tokens, num_accepted, target_probs, draft_tokens, cu_num_draft_tokens, seeds, positions,
-            vocab, max_drafts + 1, BLOCK=min(BLOCK_V, next_power_of_2(vocab)),
+            result.tokens, result.num_accepted, target_probs, draft_tokens, cu_num_draft_tokens, seeds, positions,
+            vocab, result.tokens.shape[1], BLOCK=min(BLOCK_V, next_power_of_2(vocab)),
         )  # fmt: skip
-    return VerifyResult(tokens, num_accepted)
+    return result
 
 
 @jit(do_not_specialize=["vocab", "out_stride"])

@@ -41,6 +41,14 @@ def num_drafts_per_request(cu_num_draft_tokens: torch.Tensor) -> torch.Tensor:
     return torch.diff(cu_num_draft_tokens, prepend=cu_num_draft_tokens.new_zeros(1))
 
 
+def empty_verify_result(cu_num_draft_tokens: torch.Tensor) -> VerifyResult:
+    """The outputs a verification kernel fills: tokens [B, max_k + 1] at -1, num_accepted [B]."""
+    batch, device = cu_num_draft_tokens.shape[0], cu_num_draft_tokens.device
+    max_drafts = int(num_drafts_per_request(cu_num_draft_tokens).max()) if batch else 0
+    tokens = torch.full((batch, max_drafts + 1), -1, dtype=torch.int64, device=device)
+    return VerifyResult(tokens, torch.empty(batch, dtype=torch.int32, device=device))
+
+
 def ragged_layout(cu_num_draft_tokens: torch.Tensor) -> RaggedLayout:
     """Index maps for requests owning drafts [cu[b-1], cu[b]) and target rows shifted by b."""
     cu = cu_num_draft_tokens

@@ -29,7 +29,7 @@ from kernels.ragged import (
     VerifyResult,
     check_ragged_batch,
     emit_tokens,
-    num_drafts_per_request,
+    empty_verify_result,
     num_leading,
     ragged_layout,
 )
@@ -132,17 +132,15 @@ def rejection_sample_triton(
     """Launch `_rejection_kernel`, one program per request."""
     require_triton()
     batch, vocab = cu_num_draft_tokens.shape[0], target_probs.shape[1]
-    max_drafts = int(num_drafts_per_request(cu_num_draft_tokens).max()) if batch else 0
-    tokens = torch.full((batch, max_drafts + 1), -1, dtype=torch.int64, device=target_probs.device)
-    num_accepted = torch.empty(batch, dtype=torch.int32, device=target_probs.device)
+    result = empty_verify_result(cu_num_draft_tokens)
     if batch:
         _rejection_kernel[(batch,)](
-            tokens, num_accepted, target_probs, draft_tokens, cu_num_draft_tokens,
+            result.tokens, result.num_accepted, target_probs, draft_tokens, cu_num_draft_tokens,
             draft_probs.ids, draft_probs.fixed, is_greedy, seeds, positions,
-            vocab, max_drafts + 1, draft_probs.k,
+            vocab, result.tokens.shape[1], draft_probs.k,
             BLOCK=min(BLOCK_V, next_power_of_2(vocab)), BLOCK_K=BLOCK_K,
         )  # fmt: skip
-    return VerifyResult(tokens, num_accepted)
+    return result
 
 
 @jit(do_not_specialize=["vocab", "out_stride", "num_entries"])
