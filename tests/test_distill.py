@@ -9,8 +9,8 @@ import torch
 
 from draft_service.distill.__main__ import DistillConfig, run
 from draft_service.distill.student import Student
-from draft_service.distill.train import draft_vocabulary
-from draft_service.distill.teacher import TeacherSequence
+from draft_service.distill.train import draft_vocabulary, split_held_out
+from draft_service.distill.teacher import TeacherSequence, load_teacher_data
 from tandem.loaders import CheckpointError, load_checkpoint
 from tandem.loaders.drafter_file import read_drafter_file
 from tandem.model.batch import SequenceChunk
@@ -27,9 +27,11 @@ def tiny(tmp_path_factory) -> Path:
     return root
 
 
-def _distill(tiny: Path, out: str, seed: int = 0, teacher_data: str = "", max_new_tokens: int = 16) -> dict:
+def _distill(tiny: Path, out: str, seed: int = 0, teacher_data: str = "", max_new_tokens: int = 16,
+             samples_per_prompt: int = 1, ship_vocab: int = 0) -> dict:
     config = DistillConfig(target=str(tiny / "target"), out=str(tiny / out), num_prompts=24,
-                           max_new_tokens=max_new_tokens, generation_batch=8, layers=1, draft_vocab=20, steps=40,
+                           samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
+                           generation_batch=8, layers=1, draft_vocab=20, ship_vocab=ship_vocab, steps=40,
                            eval_every=1000, held_out=0.25, seed=seed, device="cpu", teacher_data=teacher_data)
     return run(config)
 
@@ -64,7 +66,7 @@ def test_distillation_repeats_exactly_and_raises_held_out_acceptance(tiny, caplo
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="draft_service.distill"):
         second = _distill(tiny, "b.safetensors", teacher_data=cache)
-    assert f"loaded 24 teacher sequences from {cache}" in caplog.text
+    assert "24 teacher sequences wanted: 24 cached, 0 to generate" in caplog.text
     a, b = read_drafter_file(tiny / "a.safetensors"), read_drafter_file(tiny / "b.safetensors")
     assert torch.equal(a.draft_vocab, b.draft_vocab) and len(a.draft_vocab) == 20
     assert torch.equal(a.norm, b.norm)
@@ -100,3 +102,27 @@ def test_cached_teacher_data_from_other_flags_is_refused(tiny):
     _distill(tiny, "d.safetensors", teacher_data=cache)
     with pytest.raises(ValueError, match="max_new_tokens"):
         _distill(tiny, "e.safetensors", teacher_data=cache, max_new_tokens=8)
+
+
+def test_the_teacher_cache_grows_by_the_sequences_it_lacks(tiny, caplog):
+    cache = tiny / "grow.pt"
+    _distill(tiny, "f.safetensors", teacher_data=str(cache))
+    key = torch.load(cache, weights_only=True)["key"]
+    first = load_teacher_data(cache, key)
+    with caplog.at_level(logging.INFO, logger="draft_service.distill"):
+        grown_run = _distill(tiny, "g.safetensors", teacher_data=str(cache), samples_per_prompt=2, ship_vocab=8)
+    assert "48 teacher sequences wanted: 24 cached, 24 to generate" in caplog.text
+    grown = load_teacher_data(cache, key)
+    assert sorted(grown) == [(s, i) for s in range(2) for i in range(24)]
+    for entry, sequence in first.items():
+        assert grown[entry].token_ids == sequence.token_ids
+        assert torch.equal(grown[entry].hidden, sequence.hidden)
+    second_samples = [grown[(1, i)] for i in range(24)]
+    for i, sequence in enumerate(second_samples):  # the same prompt, another seed
+        assert sequence.token_ids[: sequence.prompt_len] == first[(0, i)].token_ids[: sequence.prompt_len]
+    assert sum(s.token_ids != first[(0, i)].token_ids for i, s in enumerate(second_samples)) > 12
+    # The shipped head keeps the rows of the 8 most frequent completion tokens of the training split.
+    train_set, _ = split_held_out([grown[e] for e in sorted(grown)], 0.25, 0)
+    shipped = read_drafter_file(tiny / "g.safetensors").draft_vocab
+    assert shipped.tolist() == draft_vocabulary(train_set, 8, VOCAB).tolist()
+    assert grown_run["held_out_shipped"]["coverage"] < grown_run["held_out_after"]["coverage"]

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draft_service.distill.prompts import distill_prompts
+from draft_service.distill.prompts import PROMPT_SET_SIZE, distill_prompts
 from draft_service.distill.student import Student
-from draft_service.distill.teacher import (TeacherSequence, encode_prompts, generate_completions,
+from draft_service.distill.teacher import (EntryKey, TeacherSequence, encode_prompts, generate_completions,
                                            load_teacher_data, save_teacher_data)
 from draft_service.distill.train import (HeldOut, TrainOptions, draft_vocabulary, evaluate, frequency_subset,
                                          split_held_out, train)
@@ -43,11 +43,13 @@ class DistillConfig:
     out: str = "drafter.safetensors"
     teacher_data: str = ""  # a cache file of the teacher data; empty: none
     num_prompts: int = 640
+    samples_per_prompt: int = 1
     max_new_tokens: int = 128
     temperature: float = 0.8
     generation_batch: int = 32
     layers: int = 2
     draft_vocab: int = 16384
+    ship_vocab: int = 0  # 0: the whole draft vocabulary
     steps: int = 1200
     batch_size: int = 8
     lr: float = 1e-3
@@ -58,10 +60,12 @@ class DistillConfig:
     threads: int = 0  # 0: torch's default
 
     def __post_init__(self) -> None:
-        for name in ("num_prompts", "max_new_tokens", "generation_batch", "layers", "draft_vocab", "steps",
-                     "batch_size", "eval_every"):
+        for name in ("num_prompts", "samples_per_prompt", "max_new_tokens", "generation_batch", "layers",
+                     "draft_vocab", "steps", "batch_size", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.ship_vocab <= self.draft_vocab:
+            raise ValueError(f"--ship-vocab must be in [0, --draft-vocab {self.draft_vocab}], got {self.ship_vocab}")
         if not 0 < self.held_out < 1:
             raise ValueError(f"--held-out must be a fraction in (0, 1), got {self.held_out}")
         if self.temperature <= 0 or self.lr <= 0:
@@ -76,14 +80,17 @@ class DistillConfig:
 HELP = {
     "target": "the teacher: embedded model name or a .gguf/HF path; the drafter serves this target",
     "out": "where to write the drafter file (safetensors)",
-    "teacher_data": "cache of the teacher data: loaded when it exists and was made with the same target and "
-                    "data flags, written otherwise; empty: no cache",
-    "num_prompts": "prompts the teacher answers (the set holds 960)",
+    "teacher_data": "cache of the teacher data, refused when made with another target, seed, temperature or "
+                    "max-new-tokens; sequences it lacks are generated and added; empty: no cache",
+    "num_prompts": f"prompts the teacher answers (the set holds {PROMPT_SET_SIZE})",
+    "samples_per_prompt": "completions the teacher samples per prompt, each with its own seed",
     "max_new_tokens": "tokens the teacher samples per prompt",
     "temperature": "the teacher's sampling temperature for the data",
     "generation_batch": "sequences the teacher samples at once",
     "layers": "student decoder layers, initialized from the teacher's first layers",
     "draft_vocab": "N: the student's head is the target's lm_head rows of the N most frequent output tokens",
+    "ship_vocab": "the saved drafter keeps only the head rows of its N most frequent tokens (FR-Spec style), a "
+                  "cheaper head for the same layers; 0 keeps all of --draft-vocab",
     "steps": "optimizer steps",
     "batch_size": "sequences per step",
     "lr": "peak learning rate of the one-cycle schedule",
@@ -104,16 +111,7 @@ def run(config: DistillConfig) -> dict:
     target_config, weights = load_checkpoint(path)
     tokenizer = load_tokenizer(path)
     fingerprint = weights_fingerprint(weights)
-    key = {"target": fingerprint, "num_prompts": config.num_prompts, "max_new_tokens": config.max_new_tokens,
-           "temperature": config.temperature, "seed": config.seed}
-    cache = Path(config.teacher_data) if config.teacher_data else None
-    if cache is not None and cache.exists():
-        sequences = load_teacher_data(cache, key)
-        log.info("loaded %d teacher sequences from %s", len(sequences), cache)
-    else:
-        sequences = _teacher_data(config, target_config, weights, tokenizer, device)
-        if cache is not None:
-            save_teacher_data(cache, sequences, key)
+    sequences = _teacher_sequences(config, target_config, weights, tokenizer, device, fingerprint)
     data_seconds = time.perf_counter() - began
     train_set, held_out = split_held_out(sequences, config.held_out, config.seed)
     vocab = draft_vocabulary(train_set, config.draft_vocab, target_config.vocab_size)
@@ -134,31 +132,60 @@ def run(config: DistillConfig) -> dict:
     log.info("held-out after training: %s", _describe(after))
     sweep = {n: asdict(evaluate(student, held_out, weights.lm_head, vocab, frequency_subset(vocab, train_set, n)))
              for n in SWEEP if n < config.draft_vocab}
+    shipped_rows, shipped = torch.arange(len(vocab)), after
+    if 0 < config.ship_vocab < config.draft_vocab:
+        shipped_rows = frequency_subset(vocab, train_set, config.ship_vocab).sort().values
+        shipped = evaluate(student, held_out, weights.lm_head, vocab, shipped_rows)
+        log.info("held-out with the %d-row shipped head: %s", config.ship_vocab, _describe(shipped))
     training = {
         "flags": asdict(config),
         "teacher_tokens": sum(len(s.token_ids) - s.prompt_len for s in sequences),
         "train_sequences": len(train_set),
         "held_out_before": asdict(before),
         "held_out_after": asdict(after),
+        "held_out_shipped": asdict(shipped),
         "draft_vocab_sweep": sweep,
         "data_seconds": round(data_seconds, 1),
         "total_seconds": round(time.perf_counter() - began, 1),
     }
-    drafter = DrafterFile(student.layer_weights(), student.norm.detach().clone(), vocab, config.target,
+    drafter = DrafterFile(student.layer_weights(), student.norm.detach().clone(), vocab[shipped_rows], config.target,
                           fingerprint, training)
     save_drafter_file(Path(config.out), drafter)
     log.info("saved %s (%.1f MB) in %.0f s", config.out, Path(config.out).stat().st_size / 1e6, training["total_seconds"])
     return training
 
 
-def _teacher_data(config: DistillConfig, target_config: ModelConfig, weights: ModelWeights,
-                  tokenizer: Tokenizer, device: torch.device) -> list[TeacherSequence]:
+def _teacher_sequences(config: DistillConfig, target_config: ModelConfig, weights: ModelWeights,
+                       tokenizer: Tokenizer, device: torch.device, fingerprint: str) -> list[TeacherSequence]:
+    """Each prompt's samples_per_prompt completions: those the cache holds, the others generated (and cached).
+
+    Completion s of prompt i is drawn with seed + s * PROMPT_SET_SIZE + i, so it is the same
+    sequence whatever --num-prompts and --samples-per-prompt say, and a cache serves larger runs.
+    """
+    key = {"target": fingerprint, "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
+           "seed": config.seed}
+    cache = Path(config.teacher_data) if config.teacher_data else None
+    entries = load_teacher_data(cache, key) if cache is not None and cache.exists() else {}
+    wanted = [(s, i) for s in range(config.samples_per_prompt) for i in range(config.num_prompts)]
+    missing = [e for e in wanted if e not in entries]
+    log.info("%d teacher sequences wanted: %d cached, %d to generate", len(wanted), len(wanted) - len(missing),
+             len(missing))
+    if missing:
+        entries.update(zip(missing, _generate(config, target_config, weights, tokenizer, device, missing)))
+        if cache is not None:
+            save_teacher_data(cache, entries, key)
+    return [entries[e] for e in wanted]
+
+
+def _generate(config: DistillConfig, target_config: ModelConfig, weights: ModelWeights, tokenizer: Tokenizer,
+              device: torch.device, entries: list[EntryKey]) -> list[TeacherSequence]:
     teacher = build_model(target_config, weights, dtype=torch.float32, device=device,
                           num_slots=config.generation_batch, max_model_len=2048)
     prompts = encode_prompts(tokenizer, distill_prompts(config.num_prompts, config.seed))
-    with tqdm(total=len(prompts), desc="teacher data", unit="prompt") as bar:
-        return generate_completions(teacher, prompts, max_new_tokens=config.max_new_tokens,
-                                    temperature=config.temperature, seed=config.seed,
+    seeds = [config.seed + sample * PROMPT_SET_SIZE + index for sample, index in entries]
+    with tqdm(total=len(entries), desc="teacher data", unit="sequence") as bar:
+        return generate_completions(teacher, [prompts[index] for _, index in entries], seeds=seeds,
+                                    max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                     stop_ids=tokenizer.eos_token_ids, progress=bar.update)
 
 

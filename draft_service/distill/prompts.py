@@ -50,12 +50,13 @@ REWRITE_TEMPLATES = (
 )
 
 TEMPLATES = CHAT_TEMPLATES + CODE_TEMPLATES + REWRITE_TEMPLATES
+PROMPT_SET_SIZE = len(TOPICS) * len(TEMPLATES)
 
 
 def distill_prompts(count: int, seed: int) -> list[str]:
     """`count` distinct prompts, a seeded shuffle of topics x templates (at most their product)."""
     every = [template.format(topic=topic) for topic in TOPICS for template in TEMPLATES]
-    if count > len(every):
-        raise ValueError(f"--num-prompts {count} exceeds the {len(every)} prompts the set holds")
+    if count > PROMPT_SET_SIZE:
+        raise ValueError(f"--num-prompts {count} exceeds the {PROMPT_SET_SIZE} prompts the set holds")
     random.Random(seed).shuffle(every)
     return every[:count]

@@ -1,7 +1,7 @@
 """Teacher data with our own runtime: seeded, batched sampling, then the teacher's last hidden states.
 
-A sequence's randomness is keyed by (seed + index, position), as in serving, so the data does
-not depend on batch size or order. The hidden states (after the final norm), kept from the
+A sequence's randomness is keyed by (its seed, position), as in serving, so the data does not
+depend on batch size or order, and a cache can grow by the sequences it lacks. The hidden states (after the final norm), kept from the
 same forwards, are what the teacher's lm_head reads: with the head rows, training recovers the
 teacher's logits over any draft vocabulary without storing [tokens, vocab] logits.
 """
@@ -28,6 +28,7 @@ class TeacherSequence:
 
 
 Progress = Callable[[int], None]
+EntryKey = tuple[int, int]  # (sample, prompt index): the sample-th completion of that prompt
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -38,16 +39,16 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str]) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def generate_completions(model: LlamaModel, prompts: list[list[int]], *, max_new_tokens: int,
-                         temperature: float, seed: int, stop_ids: frozenset[int],
+def generate_completions(model: LlamaModel, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: int,
+                         temperature: float, stop_ids: frozenset[int],
                          progress: Progress = lambda n: None) -> list[TeacherSequence]:
-    """Samples each prompt's completion, up to model.kv_cache's slot count at a time."""
+    """Samples each prompt's completion with its own seed, up to model.kv_cache's slot count at a time."""
     batch_size = model.kv_cache.num_slots
     sequences = []
     for first in range(0, len(prompts), batch_size):
         batch = prompts[first : first + batch_size]
-        seeds = [seed + first + i for i in range(len(batch))]
-        sequences += _generate_batch(model, batch, seeds, max_new_tokens, temperature, stop_ids)
+        sequences += _generate_batch(model, batch, seeds[first : first + batch_size], max_new_tokens, temperature,
+                                     stop_ids)
         progress(len(batch))
     return sequences
 
@@ -85,20 +86,21 @@ def _draw(logits: torch.Tensor, seeds: list[int], positions: list[int], temperat
     return sample(probs, torch.tensor(seeds), torch.tensor(positions)).tolist()
 
 
-def save_teacher_data(path: Path, sequences: list[TeacherSequence], key: dict[str, Any]) -> None:
+def save_teacher_data(path: Path, entries: dict[EntryKey, TeacherSequence], key: dict[str, Any]) -> None:
     """The sequences and their hidden states in one file, with the `key` (flags, target) they came from."""
-    torch.save({"key": key, "token_ids": [s.token_ids for s in sequences],
-                "prompt_lens": [s.prompt_len for s in sequences],
-                "hidden": torch.cat([s.hidden for s in sequences])}, path)
+    order = sorted(entries)
+    torch.save({"key": key, "entries": order, "token_ids": [entries[e].token_ids for e in order],
+                "prompt_lens": [entries[e].prompt_len for e in order],
+                "hidden": torch.cat([entries[e].hidden for e in order])}, path)
 
 
-def load_teacher_data(path: Path, key: dict[str, Any]) -> list[TeacherSequence]:
+def load_teacher_data(path: Path, key: dict[str, Any]) -> dict[EntryKey, TeacherSequence]:
     """Sequences saved by save_teacher_data; ValueError when they came from other flags or another target."""
     data = torch.load(path, weights_only=True)
     if data["key"] != key:
         differ = sorted(k for k in key.keys() | data["key"].keys() if key.get(k) != data["key"].get(k))
         raise ValueError(f"the teacher data in {path} was made with other {', '.join(differ)}: "
                          "delete it, or give another --teacher-data path")
-    rows = torch.tensor([len(t) - 1 for t in data["token_ids"]]).tolist()
-    return [TeacherSequence(t, p, h) for t, p, h in zip(data["token_ids"], data["prompt_lens"],
-                                                         data["hidden"].split(rows))]
+    rows = [len(t) - 1 for t in data["token_ids"]]
+    return {tuple(e): TeacherSequence(t, p, h) for e, t, p, h in zip(data["entries"], data["token_ids"],
+                                                                     data["prompt_lens"], data["hidden"].split(rows))}
