@@ -148,10 +148,11 @@ def run(config: DistillConfig) -> dict:
         "data_seconds": round(data_seconds, 1),
         "total_seconds": round(time.perf_counter() - began, 1),
     }
-    drafter = DrafterFile(student.layer_weights(), student.norm.detach().clone(), vocab[shipped_rows], config.target,
-                          fingerprint, training)
+    drafter = DrafterFile(student.layer_weights(), student.norm.detach().clone(), vocab[shipped_rows],
+                          config.target, fingerprint, training)
     save_drafter_file(Path(config.out), drafter)
-    log.info("saved %s (%.1f MB) in %.0f s", config.out, Path(config.out).stat().st_size / 1e6, training["total_seconds"])
+    log.info("saved %s (%.1f MB) in %.0f s", config.out, Path(config.out).stat().st_size / 1e6,
+             training["total_seconds"])
     return training
 
 

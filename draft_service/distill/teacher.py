@@ -1,9 +1,10 @@
 """Teacher data with our own runtime: seeded, batched sampling, then the teacher's last hidden states.
 
 A sequence's randomness is keyed by (its seed, position), as in serving, so the data does not
-depend on batch size or order, and a cache can grow by the sequences it lacks. The hidden states (after the final norm), kept from the
-same forwards, are what the teacher's lm_head reads: with the head rows, training recovers the
-teacher's logits over any draft vocabulary without storing [tokens, vocab] logits.
+depend on batch size or order, and a cache can grow by the sequences it lacks. The hidden states
+(after the final norm), kept from the same forwards, are what the teacher's lm_head reads: with
+the head rows, training recovers the teacher's logits over any draft vocabulary without storing
+[tokens, vocab] logits.
 """
 from __future__ import annotations
 
