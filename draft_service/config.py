@@ -27,7 +27,7 @@ class DraftConfig:
     drafter_target: str = ""  # a drafter file's target checkpoint; empty: the one the file names
     device: str = "cpu"
     dtype: str = "auto"  # bf16 for a drafter file and on CUDA, else fp32
-    threads: int = 1  # torch threads; one core per service by default (DESIGN.md section 7)
+    threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
     num_slots: int = 8
     max_model_len: int = 2048
     max_k: int = 8

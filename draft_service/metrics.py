@@ -1,4 +1,4 @@
-"""The draft service's Prometheus metrics, in their own registry (DESIGN.md section 4)."""
+"""The draft service's Prometheus metrics, in their own registry (docs/design.md, Metrics)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram

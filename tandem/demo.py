@@ -1,6 +1,6 @@
 """`make demo`: the drafter and the target on loopback with the embedded model, one streamed chat.
 
-Each service gets one core (--threads 1), as DESIGN.md section 7 asks on a small box.
+Each service gets one core (--threads 1), as docs/design.md (CPU threads) advises on a small box.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ class TargetConfig:
     metrics_port: int = 9091  # 0 turns /metrics off
     device: str = "cpu"
     dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
-    threads: int = 1  # torch threads; one core per service by default (DESIGN.md section 7)
+    threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
     max_num_seqs: int = 8  # running sequences, one KV slot each
     max_model_len: int = 2048
     max_queue: int = 64  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED

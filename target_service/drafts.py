@@ -56,7 +56,7 @@ def usable_drafts(seq: Sequence, limit: int) -> UsableDrafts | None:
     """The drafts that continue the committed tokens, at most `limit`; None when there are none.
 
     A proposal drafted from an older prefix is still valid where the committed tokens since then
-    equal its first drafts: each draft was drawn given the ones before it (DESIGN.md section 1).
+    equal its first drafts: each draft was drawn given the ones before it (docs/design.md, Stale drafts and salvage).
     """
     proposal = seq.proposal
     if proposal is None or limit <= 0:

@@ -1,4 +1,4 @@
-"""The target's Prometheus metrics (DESIGN.md section 4), in a registry of their own."""
+"""The target's Prometheus metrics (docs/design.md, Metrics), in a registry of their own."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
