@@ -11,11 +11,14 @@ from tandem.model.random_weights import SHAPES, random_weights
 ATOL = 1e-4
 
 
-@pytest.fixture(params=["tiny", "tiny-qwen2"])
+@pytest.fixture(params=[(shape, backend) for shape in ("tiny", "tiny-qwen2") for backend in ("torch", "auto")],
+                ids=lambda p: "-".join(p))
 def model(request):
-    config = SHAPES[request.param]
+    """The PyTorch decoder, and the native CPU decoder where this CPU runs it."""
+    shape, backend = request.param
+    config = SHAPES[shape]
     return build_model(config, random_weights(config, seed=3), dtype=torch.float32,
-                       device=torch.device("cpu"), num_slots=4, max_model_len=128)
+                       device=torch.device("cpu"), num_slots=4, max_model_len=128, backend=backend)
 
 
 def _tokens(n: int, seed: int) -> list[int]:

@@ -45,11 +45,7 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, chunks: list[SequenceChunk], queries_per_kv: int, device: torch.device) -> "ForwardBatch":
-        if not chunks or any(not c.token_ids for c in chunks):
-            raise ValueError("a forward batch needs at least one chunk, and no empty chunk")
-        for c in chunks:
-            if not 1 <= c.num_logits <= len(c.token_ids):
-                raise ValueError(f"num_logits={c.num_logits} must be in [1, {len(c.token_ids)}]")
+        """Chunks as LlamaModel.build_batch validated them."""
         ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []

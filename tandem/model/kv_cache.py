@@ -11,7 +11,12 @@ class CacheFullError(RuntimeError):
 
 
 class KVCache:
-    """Per-layer K and V tensors of shape [num_slots, num_kv_heads, max_len, head_dim].
+    """Per-layer K and V tensors, one slot per sequence.
+
+    V is [num_slots, num_kv_heads, positions, head_dim]. K has the same shape, or, with
+    `key_block` set (the native CPU decoder), [num_slots, num_kv_heads, positions / key_block,
+    head_dim, key_block]: blocks of positions stored transposed, so that the scores of a block are
+    key_block-wide vector operations. `positions` is max_len rounded up to whole blocks.
 
     A sequence's length lives with its owner (the scheduler), not here: rolling back rejected
     positions only shortens that length, and later writes overwrite the stale entries.
@@ -24,13 +29,19 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        key_block: int | None = None,
     ):
-        shape = (num_slots, config.num_kv_heads, max_len, config.head_dim)
+        self.positions = max_len if key_block is None else -(-max_len // key_block) * key_block
+        v_shape = (num_slots, config.num_kv_heads, self.positions, config.head_dim)
+        k_shape = v_shape if key_block is None else (
+            num_slots, config.num_kv_heads, self.positions // key_block, config.head_dim, key_block)
         # Zeros, not empty: masked-out entries are multiplied by a zero weight, and 0 * NaN = NaN.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.key_block = key_block
         self.num_slots = num_slots
         self.max_len = max_len
+        self._bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -48,6 +59,4 @@ class KVCache:
         self._free.append(slot)
 
     def bytes_per_token(self) -> int:
-        layer = self.k[0]
-        per_layer = layer.shape[1] * layer.shape[3] * layer.element_size()
-        return 2 * per_layer * len(self.k)
+        return self._bytes_per_token

@@ -1,0 +1,225 @@
+/* y[M, N] = x[M, K] @ W^T for weights packed in panels of 16 output columns, reading each weight
+   once from memory whatever M is: decoding, verifying k+1 drafts and small batches all cost what
+   streaming the weights costs.
+
+   Layouts (tandem/model/native.py packs them):
+     fp32: [N/16, K, 16]        panel p, row k holds W[16p .. 16p+15, k]
+     bf16: [N/16, K/2, 16, 2]   panel p, row k/2 holds the pairs (W[n, k], W[n, k+1]) for its 16 n:
+                                the operand layout of AVX-512 BF16's vdpbf16ps.
+   For bf16 weights x comes as bf16 too, [M, K] (pairs of k in each 32-bit word). With AMX the
+   tile unit multiplies (see gemm_amx_range); with avx512_bf16 one vdpbf16ps multiplies a pair;
+   elsewhere the pair is widened to two fp32 vectors in registers. Accumulation is fp32. Every output element is summed over k in the same order whatever M, the
+   row tiling or the thread split, so a row's result does not depend on what it is batched with. */
+#ifndef TANDEM_GEMM_H
+#define TANDEM_GEMM_H
+
+#include "vec.h"
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+#include <immintrin.h>
+#endif
+
+#define PANEL 16
+#if defined(__AVX512F__)
+#define WIDE_PANELS 4   /* panels per tile: 6 rows x 4 panels = 24 of 32 zmm as accumulators */
+#else
+#define WIDE_PANELS 1   /* AVX2: a v16f is two ymm; 6 x 1 x 2 = 12 of 16 ymm */
+#endif
+#define MAX_TILE_ROWS 6
+#define K_BLOCK 128     /* k (fp32) or k pairs (bf16) per block: a tile's panels stay in L1 */
+#define PREFETCH_ROWS 16
+
+static inline v16f load_acc(const float* y, int k0) { return k0 ? v_load(y) : v_splat(0.0f); }
+
+/* acc += x * w over one k (fp32) or one k pair (bf16). For bf16, x and w hold pairs of bf16 in
+   each 32-bit lane, carried in float vectors as bits only. */
+#define FMA_f32(acc, xb, wv) ((acc) += (xb) * (wv))
+#if defined(__AVX512BF16__)
+#define FMA_bf16(acc, xb, wv) \
+    ((acc) = (v16f)_mm512_dpbf16_ps((__m512)(acc), (__m512bh)(xb), (__m512bh)(wv)))
+#else /* widen each half of the pair to fp32: the high half is a bf16 in place, the low one shifted up */
+#define FMA_bf16(acc, xb, wv) do {                                                                \
+        const v16u high_ = (v16u)(v16i){-65536, -65536, -65536, -65536, -65536, -65536, -65536, -65536, \
+                                        -65536, -65536, -65536, -65536, -65536, -65536, -65536, -65536}; \
+        (acc) += (v16f)((v16u)(xb) & high_) * (v16f)((v16u)(wv) & high_);                        \
+        (acc) += (v16f)((v16u)(xb) << 16) * (v16f)((v16u)(wv) << 16);                            \
+    } while (0)
+#endif
+
+/* y[MR rows, NP panels] (+)= x[MR, k0:k1] @ panels[k0:k1]; y's rows are ldy apart, x's ldx. */
+#define DEFINE_TILE(KIND, MR, NP) DEFINE_TILE_(KIND, MR, NP)
+#define DEFINE_TILE_(KIND, MR, NP)                                                                \
+static inline __attribute__((always_inline)) void tile_##KIND##_##MR##_##NP(                      \
+    const float* x, int ldx, const float* w, int64_t pstride, int k0, int k1, float* y, int ldy) { \
+    v16f acc[MR][NP];                                                                             \
+    for (int r = 0; r < MR; r++)                                                                  \
+        for (int j = 0; j < NP; j++) acc[r][j] = load_acc(y + (int64_t)r * ldy + j * PANEL, k0);   \
+    for (int k = k0; k < k1; k++) {                                                               \
+        v16f wv[NP];                                                                              \
+        for (int j = 0; j < NP; j++) {                                                            \
+            const float* p = w + j * pstride + (int64_t)k * PANEL;                                \
+            __builtin_prefetch(p + PREFETCH_ROWS * PANEL);                                        \
+            wv[j] = v_load(p);                                                                    \
+        }                                                                                         \
+        for (int r = 0; r < MR; r++) {                                                            \
+            v16f xb = v_splat(x[(int64_t)r * ldx + k]);                                           \
+            for (int j = 0; j < NP; j++) FMA_##KIND(acc[r][j], xb, wv[j]);                        \
+        }                                                                                         \
+    }                                                                                             \
+    for (int r = 0; r < MR; r++)                                                                  \
+        for (int j = 0; j < NP; j++) v_store(y + (int64_t)r * ldy + j * PANEL, acc[r][j]);         \
+}
+#define DEFINE_TILES(KIND, NP)                                                                    \
+    DEFINE_TILE(KIND, 1, NP) DEFINE_TILE(KIND, 2, NP) DEFINE_TILE(KIND, 3, NP)                    \
+    DEFINE_TILE(KIND, 4, NP) DEFINE_TILE(KIND, 5, NP) DEFINE_TILE(KIND, 6, NP)
+DEFINE_TILES(f32, WIDE_PANELS)
+DEFINE_TILES(bf16, WIDE_PANELS)
+#if WIDE_PANELS > 1
+DEFINE_TILES(f32, 1)
+DEFINE_TILES(bf16, 1)
+#endif
+
+#define TILE_SWITCH(KIND, NP, ARGS) TILE_SWITCH_(KIND, NP, ARGS)
+#define TILE_SWITCH_(KIND, NP, ARGS)                                                              \
+    switch (rows) {                                                                               \
+        case 1: tile_##KIND##_1_##NP ARGS; break;                                                 \
+        case 2: tile_##KIND##_2_##NP ARGS; break;                                                 \
+        case 3: tile_##KIND##_3_##NP ARGS; break;                                                 \
+        case 4: tile_##KIND##_4_##NP ARGS; break;                                                 \
+        case 5: tile_##KIND##_5_##NP ARGS; break;                                                 \
+        default: tile_##KIND##_6_##NP ARGS; break;                                                \
+    }
+
+/* The panels [p0, p1) of y for all M rows. `kdepth` is K (fp32) or K/2 (bf16 pairs); x rows are
+   kdepth elements apart, y rows ldy floats apart. Rows go in even tiles of at most six; with
+   more than one tile the k loop is blocked so that later tiles find the panels in L1. */
+#define DEFINE_GEMM_RANGE(KIND)                                                                   \
+static void gemm_##KIND##_range(const float* x, int M, int kdepth, const float* w, int p0, int p1, \
+                                float* y, int ldy) {                                              \
+    int64_t pstride = (int64_t)kdepth * PANEL;                                                    \
+    int tiles = (M + MAX_TILE_ROWS - 1) / MAX_TILE_ROWS;                                          \
+    int kblock = tiles == 1 ? kdepth : K_BLOCK;                                                   \
+    for (int p = p0; p < p1;) {                                                                   \
+        int np = p1 - p >= WIDE_PANELS ? WIDE_PANELS : 1;                                         \
+        const float* wp = w + p * pstride;                                                        \
+        for (int k0 = 0; k0 < kdepth; k0 += kblock) {                                             \
+            int k1 = k0 + kblock < kdepth ? k0 + kblock : kdepth;                                 \
+            for (int t = 0, m = 0; t < tiles; t++) {                                              \
+                int rows = (M - m) / (tiles - t);                                                 \
+                const float* xm = x + (int64_t)m * kdepth;                                        \
+                float* ym = y + (int64_t)m * ldy + p * PANEL;                                     \
+                m += rows;                                                                        \
+                if (np == WIDE_PANELS) {                                                          \
+                    TILE_SWITCH(KIND, WIDE_PANELS, (xm, kdepth, wp, pstride, k0, k1, ym, ldy))     \
+                } else {                                                                          \
+                    TILE_SWITCH(KIND, 1, (xm, kdepth, wp, pstride, k0, k1, ym, ldy))               \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        p += np;                                                                                  \
+    }                                                                                             \
+}
+DEFINE_GEMM_RANGE(f32)
+#if !defined(__AMX_BF16__)
+DEFINE_GEMM_RANGE(bf16)
+#endif
+
+#if defined(__AMX_BF16__)
+/* AMX: bf16 weights go through the tile unit for every M, M = 1 included: at M = 1 it streams
+   weights as fast as AVX-512 BF16 does (measured here: 23 ms against 24 ms for all of
+   SmolLM2-135M's matrices), at M = 16 it is 2.7x faster, and a row's result does not depend on
+   how many rows share the call, which mixing AMX for large M with AVX-512 for small M would
+   break (AMX sums each 32-product block its own way).
+   Tiles: 0, 1 = C (two panels), 2 = A (x rows, 32 k), 3, 4 = B (two panels, 32 k), and for a K
+   that is not a multiple of 32, 5 = A and 6, 7 = B of the remainder. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void amx_configure(int rows, int tail_k) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        cfg.rows[t] = t < 3 ? rows : 16;
+        cfg.colsb[t] = 64;
+    }
+    if (tail_k) {
+        cfg.rows[5] = rows, cfg.colsb[5] = tail_k * 2;
+        cfg.rows[6] = cfg.rows[7] = tail_k / 2, cfg.colsb[6] = cfg.colsb[7] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Panels [p0, p1) for rows [0, rows <= 16) of x, bf16 [*, K] with rows K apart. */
+static void amx_row_tile(const uint16_t* x, int K, const uint16_t* w, int p0, int p1, float* y, int ldy) {
+    int64_t pstride = (int64_t)K * PANEL;  /* uint16 per panel */
+    int full_k = K / 32 * 32;
+    for (int p = p0; p < p1; p += 2) {
+        int two = p + 1 < p1;
+        const uint16_t* b0 = w + p * pstride;
+        const uint16_t* b1 = b0 + (two ? pstride : 0);
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int k = 0; k < full_k; k += 32) {
+            _tile_loadd(2, x + k, K * 2);
+            _tile_loadd(3, b0 + (int64_t)k * PANEL, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            if (two) {
+                _tile_loadd(4, b1 + (int64_t)k * PANEL, 64);
+                _tile_dpbf16ps(1, 2, 4);
+            }
+        }
+        if (full_k < K) {
+            _tile_loadd(5, x + full_k, K * 2);
+            _tile_loadd(6, b0 + (int64_t)full_k * PANEL, 64);
+            _tile_dpbf16ps(0, 5, 6);
+            if (two) {
+                _tile_loadd(7, b1 + (int64_t)full_k * PANEL, 64);
+                _tile_dpbf16ps(1, 5, 7);
+            }
+        }
+        _tile_stored(0, y + p * PANEL, ldy * 4);
+        if (two) _tile_stored(1, y + (p + 1) * PANEL, ldy * 4);
+    }
+}
+
+static void gemm_amx_range(const uint16_t* x, int M, int K, const uint16_t* w, int p0, int p1, float* y, int ldy) {
+    int tail_k = K % 32, configured = 0;
+    for (int m = 0; m < M; m += 16) {
+        int rows = M - m < 16 ? M - m : 16;
+        if (rows != configured) amx_configure(rows, tail_k);
+        configured = rows;
+        amx_row_tile(x + (int64_t)m * K, K, w, p0, p1, y + (int64_t)m * ldy, ldy);
+    }
+    _tile_release();
+}
+#endif
+
+/* One matrix of the model: packed weights and their sizes. */
+typedef struct {
+    const void* data;
+    int rows;    /* N, output features */
+    int cols;    /* K, input features */
+    int panels;  /* ceil(N / 16) */
+} PackedMatrix;
+
+/* x is fp32 [M, K] for fp32 weights, bf16 pairs [M, K/2] for bf16 weights. */
+static void gemm_range(const void* x, int M, const PackedMatrix* w, int bf16, int p0, int p1, float* y, int ldy) {
+    if (p0 >= p1) return;
+#if defined(__AMX_BF16__)
+    if (bf16) {
+        gemm_amx_range((const uint16_t*)x, M, w->cols, (const uint16_t*)w->data, p0, p1, y, ldy);
+        return;
+    }
+#else
+    if (bf16) {
+        gemm_bf16_range((const float*)x, M, w->cols / 2, (const float*)w->data, p0, p1, y, ldy);
+        return;
+    }
+#endif
+    gemm_f32_range((const float*)x, M, w->cols, (const float*)w->data, p0, p1, y, ldy);
+}
+
+#endif

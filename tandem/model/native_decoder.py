@@ -1,0 +1,114 @@
+"""A model's weights and KV cache bound to the native CPU decoder (csrc/decoder.c)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config import ModelConfig
+from tandem.model import native
+from tandem.model.batch import SequenceChunk
+from tandem.model.kv_cache import KVCache
+
+
+@dataclass(frozen=True, slots=True)
+class NativeBatch:
+    """One forward's index arrays, as decoder.c's Batch reads them."""
+
+    chunks: tuple[SequenceChunk, ...]
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    chunk_slots: torch.Tensor  # [C] int32
+    chunk_starts: torch.Tensor  # [C + 1] int32
+    out_tokens: torch.Tensor  # [num_logits] int32: token indices whose logits come out
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @classmethod
+    def build(cls, chunks: list[SequenceChunk]) -> "NativeBatch":
+        ids: list[int] = []
+        positions: list[int] = []
+        starts = [0]
+        out: list[int] = []
+        for c in chunks:
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start, c.end))
+            out.extend(range(len(ids) - c.num_logits, len(ids)))
+            starts.append(len(ids))
+        return cls(tuple(chunks), torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                   torch.tensor([c.slot for c in chunks], dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                   torch.tensor(out, dtype=torch.int32))
+
+
+def supports(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the native decoder can run this model here (else the PyTorch path does)."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and config.head_dim % native.KEY_BLOCK == 0 and config.hidden_size % 2 == 0
+            and config.intermediate_size % 2 == 0 and native.load() is not None)
+
+
+class NativeDecoder:
+    """Packs the weights into the library's panels and runs whole forward passes in C."""
+
+    def __init__(self, config: ModelConfig, weights, kv_cache: KVCache, rope_cos: torch.Tensor,
+                 rope_sin: torch.Tensor, library: native.Library):
+        """weights: ModelWeights already in the compute dtype; rope tables [>= cache positions, head_dim / 2]."""
+        self.library = library
+        self.bf16 = weights.embed.dtype == torch.bfloat16
+        self.vocab_rows = weights.lm_head.shape[0]
+        self._keep: list[torch.Tensor] = []  # every tensor the C structs point at
+        tied = weights.lm_head is weights.embed  # then the C code reads embeddings from the packed head
+        self._lm_head = self._packed(weights.lm_head)
+        layers = [self._layer(w, kv_cache.k[i], kv_cache.v[i]) for i, w in enumerate(weights.layers)]
+        self._layers = (native.CLayer * len(layers))(*layers)
+        self._model = native.CModel(
+            hidden=config.hidden_size, intermediate=config.intermediate_size, num_layers=config.num_layers,
+            num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            max_len=kv_cache.positions, weights_bf16=int(self.bf16),
+            kv_bf16=int(kv_cache.k[0].dtype == torch.bfloat16), eps=config.rms_norm_eps,
+            rope_cos=self._ptr(rope_cos.float().contiguous()), rope_sin=self._ptr(rope_sin.float().contiguous()),
+            embed=None if tied else self._ptr(weights.embed.contiguous()),
+            final_norm=self._ptr(weights.norm.float().contiguous()),
+            lm_head=self._lm_head, layers=self._layers,
+        )
+
+    def forward(self, batch: NativeBatch, want_hidden: bool = False) -> torch.Tensor:
+        """fp32 logits [num_logits, vocab rows], or the final normed hidden states [num_logits, hidden]."""
+        width = self._model.hidden if want_hidden else self._lm_head.panels * native.PANEL
+        out = torch.empty(batch.out_tokens.shape[0], width, dtype=torch.float32)
+        c_batch = native.CBatch(
+            num_tokens=batch.num_tokens, token_ids=batch.token_ids.data_ptr(), positions=batch.positions.data_ptr(),
+            num_chunks=batch.chunk_slots.shape[0], chunk_slots=batch.chunk_slots.data_ptr(),
+            chunk_starts=batch.chunk_starts.data_ptr(), num_out=batch.out_tokens.shape[0],
+            out_tokens=batch.out_tokens.data_ptr(), want_hidden=int(want_hidden), out=out.data_ptr(),
+        )
+        self.library.forward(self._model, c_batch)
+        return out if want_hidden else self._trim(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab rows] of normed hidden states [rows, hidden]."""
+        x = hidden.to(torch.bfloat16 if self.bf16 else torch.float32).contiguous()
+        return self._trim(self.library.gemm(x, self._lm_head, self.bf16))
+
+    def _trim(self, padded: torch.Tensor) -> torch.Tensor:
+        return padded if padded.shape[1] == self.vocab_rows else padded[:, : self.vocab_rows].contiguous()
+
+    def _layer(self, w, k_cache: torch.Tensor, v_cache: torch.Tensor) -> native.CLayer:
+        return native.CLayer(
+            attn_norm=self._ptr(w.attn_norm.float().contiguous()), qkv=self._packed(w.qkv),
+            qkv_bias=None if w.qkv_bias is None else self._ptr(w.qkv_bias.float().contiguous()),
+            o=self._packed(w.o), mlp_norm=self._ptr(w.mlp_norm.float().contiguous()),
+            gate_up=self._packed(w.gate_up), down=self._packed(w.down),
+            k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+        )
+
+    def _packed(self, weight: torch.Tensor) -> native.PackedMatrix:
+        packed = native.pack(weight)
+        self._keep.append(packed)
+        return native.packed_matrix(packed, weight.shape[0])
+
+    def _ptr(self, tensor: torch.Tensor) -> int:
+        self._keep.append(tensor)
+        return tensor.data_ptr()
