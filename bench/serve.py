@@ -31,7 +31,7 @@ from pathlib import Path
 from bench.load import Arrivals, RequestRecord, RunResult, run_load
 from bench.markdown import results_markdown
 from bench.prompt_set import KINDS, Prompt, load_prompts
-from bench.scrape import counters, delta, metric, scrape, server_summary
+from bench.scrape import counters, delta, server_summary
 from bench.stats import ratio, summarize
 from tandem.launch import ServiceProcess
 from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
@@ -108,7 +108,7 @@ class Pair:
             draft.wait_healthy(300)
             for t in targets.values():
                 t.wait_healthy(300)
-                _wait_connected(t)
+                t.wait_metric("tandem_drafter_connected", 1.0)
         except BaseException:
             pair.stop()
             raise
@@ -121,15 +121,6 @@ class Pair:
         for t in self.targets.values():
             t.terminate(10)
         self.draft.terminate(10)
-
-
-def _wait_connected(target: ServiceProcess, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metric(scrape(target.metrics_url), "tandem_drafter_connected") == 1.0:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{target.address} did not connect to its drafter within {timeout:.0f} s")
 
 
 # ---- one cell: a mode at a temperature under one arrival pattern -------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.metrics_scrape import metric, scrape
 from tandem.tls import ClientTls
 
 
@@ -71,6 +72,15 @@ class ServiceProcess:
                     pass
                 time.sleep(0.2)
         raise TimeoutError(f"{self.module} on {self.address} was not healthy within {timeout:.0f} s")
+
+    def wait_metric(self, name: str, value: float, timeout: float = 120.0) -> "ServiceProcess":
+        """Until the service's /metrics shows `name` (unlabelled) at `value`: tandem_drafter_connected 1, say."""
+        deadline = time.monotonic() + timeout
+        while metric(scrape(self.metrics_url), name) != value:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.module} on {self.address}: {name} did not reach {value} in {timeout:.0f} s")
+            time.sleep(0.2)
+        return self
 
     def terminate(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, then SIGKILL if it has not exited in time; returns the exit code."""
