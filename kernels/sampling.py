@@ -39,8 +39,11 @@ def processed_probs(
         return one_hot
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / scale[:, None], dim=-1)  # [B, V]
-    if bool((top_k > 0).any() | (top_p < 1).any() | (min_p > 0).any()):
-        probs = _filter(probs, top_k, top_p, min_p)
+    # Only the rows that ask: filtering renormalizes and drops a float32 tail, so a row that asks
+    # for nothing must not depend on what it is batched with.
+    filtered = ((top_k > 0) | (top_p < 1) | (min_p > 0)).nonzero().squeeze(1)  # [F]
+    if filtered.numel():
+        probs[filtered] = _filter(probs[filtered], top_k[filtered], top_p[filtered], min_p[filtered])
     return torch.where(greedy[:, None], one_hot, probs)
 
 
