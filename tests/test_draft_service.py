@@ -185,6 +185,18 @@ async def test_sampled_drafts_carry_the_q_prime_they_were_drawn_from(model_serve
     assert proposals[0].token_ids == proposals[1].token_ids and proposals[0].probs == proposals[1].probs
 
 
+async def test_a_temperature_below_1e_5_drafts_greedily_beside_a_sampled_sequence(model_server, reference):
+    """logits / 1e-40 overflows to a NaN q, which must not fail the batched round of the other sequence."""
+    prompt = reference.tokenizer.encode("The capital of France is")
+    greedy = greedy_generate(reference.model, prompt, K)
+    async with speculate(model_server) as stream:
+        await stream.send(opens=[_open(1, prompt, temperature=1e-40, seed=3),
+                                 _open(2, prompt, temperature=1.0, seed=3)])
+        tiny, sampled = await stream.proposal(1), await stream.proposal(2)
+    assert (list(tiny.token_ids), tiny.probs) == (greedy, b"")
+    assert len(sampled.token_ids) == K and sampled.probs
+
+
 async def test_close_and_stream_end_free_sequences(model_server, reference):
     prompt = reference.tokenizer.encode("Hello")
     async with speculate(model_server) as stream:

@@ -73,6 +73,16 @@ def test_bad_sampling_parameters_are_invalid_argument(target, params, field):
     assert field in err.details()
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 9e-6])
+def test_temperatures_below_1e_5_are_greedy(target, reference, temperature):
+    """logits / 1e-40 overflows: such a request must be greedy, not a stream of NaN draws."""
+    request = greedy_request(PROMPTS[0], MAX_TOKENS, seed=5)
+    request.sampling_params.temperature = temperature
+    [result] = run_requests(target.address, [request])
+    assert result.token_ids == reference(PROMPTS[0])
+    assert result.text
+
+
 def test_bad_prompts_are_invalid_argument_and_the_next_request_works(target, reference):
     cases = [
         (generation_pb2.GenerateRequest(prompt=""), "prompt"),
