@@ -167,7 +167,8 @@ class Engine:
         tokens = await self._in_executor(self.runner.prefill, items)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in admitted))
-        await self._emit(admitted, [Verified(tokens=[token], num_accepted=0) for token in tokens])
+        outputs = self._commit(admitted, [Verified(tokens=[token], num_accepted=0) for token in tokens])
+        await self._publish(admitted, outputs)
 
     async def _verify(self, decoding: list[Sequence]) -> None:
         budget = self.policy.draft_limit(len(decoding), [self._num_usable(s) for s in decoding])
@@ -179,9 +180,11 @@ class Engine:
         self.metrics.child(self.metrics.step, kind=kind).observe(elapsed)
         self.policy.observe_step(sum(1 + i.num_drafts for i in items), elapsed)
         live = [(seq, item, result) for seq, item, result in zip(decoding, items, results) if seq.finish is None]
-        for seq, item, result in live:
-            self._record_verification(seq, item, result)
-        await self._emit([seq for seq, _, _ in live], [result for _, _, result in live])
+        seqs = [seq for seq, _, _ in live]
+        outputs = self._commit(seqs, [result for _, _, result in live])
+        for (seq, item, result), output in zip(live, outputs):
+            self._record_verification(seq, item, result, output)
+        await self._publish(seqs, outputs)
 
     def _draft_cap(self, seq: Sequence) -> int:
         """The most drafts this sequence can verify: its k, the tokens it may still add, the cache."""
@@ -211,19 +214,24 @@ class Engine:
         return VerifyItem(slot=seq.slot, length=len(seq.token_ids), last_token=seq.token_ids[-1],
                           drafts=drafts, options=seq.options)
 
-    def _record_verification(self, seq: Sequence, item: VerifyItem, result: Verified) -> None:
+    def _record_verification(self, seq: Sequence, item: VerifyItem, result: Verified, output: Output) -> None:
+        """Usage and metrics count the accepted drafts that were committed: a stop discards the rest.
+
+        The policy learns from the verifier's verdict, which judges the drafter, not the stop.
+        """
         if not item.num_drafts:
             return
+        self.policy.observe_verify(result.num_accepted, item.num_drafts)
+        accepted = output.num_accepted
         seq.draft_tokens += item.num_drafts
         seq.draft_steps += 1
-        seq.accepted_tokens += result.num_accepted
-        self.policy.observe_verify(result.num_accepted, item.num_drafts)
+        seq.accepted_tokens += accepted
         m = self.metrics
         m.num_drafts.inc()
         m.num_draft_tokens.inc(item.num_drafts)
-        m.num_accepted_tokens.inc(result.num_accepted)
-        m.acceptance_length.observe(result.num_accepted + 1)
-        for position in range(result.num_accepted):
+        m.num_accepted_tokens.inc(accepted)
+        m.acceptance_length.observe(accepted + 1)
+        for position in range(accepted):
             m.child(m.accepted_per_pos, position=str(position)).inc()
 
     async def _wait_for_drafts(self, decoding: list[Sequence]) -> None:
@@ -259,20 +267,24 @@ class Engine:
     async def _in_executor(self, fn, items):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, items)
 
-    # ---- committing and emitting ------------------------------------------------------------
+    # ---- committing and publishing ----------------------------------------------------------
 
-    async def _emit(self, seqs: list[Sequence], results: list[Verified]) -> None:
-        """Commit a step's tokens, tell the drafter, and send them to the clients.
-
-        Asynchronous speculation sends at once. Synchronous speculation (the blocking baseline)
-        first waits for the drafts of the new prefixes, as before vLLM's non-blocking change.
-        """
+    def _commit(self, seqs: list[Sequence], results: list[Verified]) -> list[Output]:
+        """Append a step's tokens to each sequence, up to a stop or its budget, which ends it."""
         outputs = []
         for seq, result in zip(seqs, results):
             output, finish = seq.commit(result.tokens, result.num_accepted, self.kv_cache.max_len)
             outputs.append(output)
             if finish is not None:
                 self._finish(seq, finish)
+        return outputs
+
+    async def _publish(self, seqs: list[Sequence], outputs: list[Output]) -> None:
+        """Tell the drafter about the committed tokens, and send them to the clients.
+
+        Asynchronous speculation sends at once. Synchronous speculation (the blocking baseline)
+        first waits for the drafts of the new prefixes, as before vLLM's non-blocking change.
+        """
         self._send_extends(seqs)
         if self.policy.sync:
             await self._wait_for_drafts([s for s in seqs if s.finish is None])

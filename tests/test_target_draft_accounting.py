@@ -116,3 +116,17 @@ def test_a_proposal_whose_drafts_were_all_accepted_is_not_counted_stale(oracle):
         assert (result.draft_tokens, result.accepted_tokens) == (K - 1, K - 1)
     assert _delta(before, after, "tandem_draft_stale_total", outcome="salvaged") == len(results)
     assert _delta(before, after, "tandem_draft_stale_total", outcome="dropped") == 0
+
+
+def test_accepted_drafts_after_a_stop_token_are_not_counted(oracle):
+    prompt = oracle.prompts[0]
+    greedy = oracle.drafter.continuations[tuple(prompt)]
+    assert greedy[2] not in greedy[:2], "the stop token must end the sequence at the third token"
+    before = scrape(oracle.target.metrics_url)
+    [result] = run_requests(oracle.target.address, [ids_request(prompt, 12, stop_token_ids=[greedy[2]])])
+    after = scrape(oracle.target.metrics_url)
+    # d2, d3 and d4 were verified and accepted; the stop at d3 (greedy[2]) discards d4 and the bonus.
+    assert (result.token_ids, result.finish_reason) == (greedy[:3], "stop")
+    assert (result.draft_tokens, result.accepted_tokens) == (K - 1, 2)
+    assert _delta(before, after, "tandem_spec_decode_num_accepted_tokens_total") == 2
+    assert _delta(before, after, "tandem_spec_decode_num_accepted_tokens_per_pos_total", position="2") == 0
