@@ -340,9 +340,14 @@ class Engine:
         return open_message(seq, self.link.max_k)
 
     def reopen_all(self) -> drafter_pb2.TargetUpdate:
-        """After a (re)connect: every running sequence, opened with its committed tokens."""
+        """After a (re)connect: every running sequence, opened with its committed tokens.
+
+        The new stream knows only the sequences opened on it, so the others (finished ones not yet
+        released) must send it no Extend or Close.
+        """
         for seq in self.running:
             seq.proposal = None
+            seq.drafter_len = 0
         return drafter_pb2.TargetUpdate(
             opens=[self._open_message(s) for s in self.running if s.finish is None and self._speculates(s)]
         )

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -64,6 +65,11 @@ def call_error(address: str, request: generation_pb2.GenerateRequest, tls: Clien
             return err
     raise AssertionError("the request succeeded; an error was expected")
 
+
+async def timed_responses(stub: generation_pb2_grpc.GenerationStub, request: generation_pb2.GenerateRequest,
+                          timeout: float = 300.0) -> list[tuple[float, generation_pb2.GenerateResponse]]:
+    """Every response of one Generate call, each with its arrival time on time.monotonic's clock."""
+    return [(time.monotonic(), response) async for response in stub.Generate(request, timeout=timeout)]
 
 @contextmanager
 def target_with_drafter(drafter: drafter_pb2_grpc.DrafterServicer, log_dir: Path,

@@ -6,16 +6,18 @@ runs synchronous speculation, which verifies every draft it has: what it must co
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
 
+import grpc
 import pytest
 
-from service_fixtures import PROMPTS, metric, run_requests, scrape, target_with_drafter
+from service_fixtures import PROMPTS, metric, run_requests, scrape, target_with_drafter, timed_responses
 from tandem.launch import ServiceProcess
 from tandem.runtime import load_tokenizer
-from tandem.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2
+from tandem.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 K = 4
 VOCAB = 49152
@@ -130,3 +132,30 @@ def test_accepted_drafts_after_a_stop_token_are_not_counted(oracle):
     assert (result.draft_tokens, result.accepted_tokens) == (K - 1, 2)
     assert _delta(before, after, "tandem_spec_decode_num_accepted_tokens_total") == 2
     assert _delta(before, after, "tandem_spec_decode_num_accepted_tokens_per_pos_total", position="2") == 0
+
+
+def test_after_a_reconnect_only_sequences_opened_on_the_new_stream_are_closed_on_it(oracle):
+    """A sequence that finished while the link reconnected was never opened on the new stream."""
+    short, long = oracle.prompts[0], oracle.prompts[1]
+    drafter = oracle.drafter
+    streams_before = len(drafter.streams)
+    # The short request's last token comes at the step after this Extend; the drafter then ends the
+    # stream, and the synchronous step waits for the long request's drafts while the link reconnects.
+    drafter.end_stream_at = (tuple(short), len(short) + 7)
+
+    async def both():
+        async with grpc.aio.insecure_channel(oracle.target.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            return await asyncio.gather(timed_responses(stub, ids_request(short, 8)),
+                                        timed_responses(stub, ids_request(long, 40)))
+
+    short_responses, _ = asyncio.run(both())
+    assert len(drafter.streams) == streams_before + 1, "the target did not reconnect once"
+    second = drafter.streams[-1]
+    short_finished_at = short_responses[-1][0]
+    assert second.first_update_at < short_finished_at, "the link reconnected only after the short request ended"
+    deadline = time.monotonic() + 30
+    while sorted(second.closed) != sorted(second.opened) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(second.opened) == 1  # the long request, reopened
+    assert sorted(second.closed) == sorted(second.opened)
