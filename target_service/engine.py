@@ -292,6 +292,8 @@ class Engine:
         for seq, output in zip(seqs, outputs):
             self._observe_tokens(seq, len(output.token_ids), now)
             seq.outbox.put_nowait(output)
+        # At once: a request that ended on its prefill token must not wait for the decode step.
+        self._release_finished()
 
     def _observe_tokens(self, seq: Sequence, count: int, now: float) -> None:
         m = self.metrics
@@ -305,7 +307,7 @@ class Engine:
         seq.last_token_at = now
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Mark a sequence done; its slot is freed between steps by _release_finished."""
+        """Mark a sequence done; _release_finished frees its slot once its tokens are published."""
         if seq.finish is None or seq.finish is reason:
             seq.finish = reason
         self._work.set()

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from service_fixtures import PROMPTS, call_error, greedy_request, metric, run_requests, scrape
+from service_fixtures import PROMPTS, call_error, greedy_request, metric, run_requests, scrape, timed_responses
 from tandem.generate import greedy_generate
 from tandem.launch import ServiceProcess
 from tandem.model.llama import build_model
@@ -110,6 +110,31 @@ def test_stop_strings_and_max_tokens(target, reference):
     assert stopped.finish_reason == "stop"
     assert stopped.text == full.text[: full.text.index(stop)]
     assert short.finish_reason == "length" and short.token_ids == full.token_ids[:3]
+
+
+def test_a_request_that_ends_on_its_prefill_token_ends_before_the_next_decode(target):
+    """Its last message must not wait for the step that decodes the requests already running."""
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(target.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            running: list[float] = []
+
+            async def read_running():
+                async for _ in stub.Generate(greedy_request(PROMPTS[1], 40, ignore_eos=True)):
+                    running.append(time.monotonic())
+
+            reader = asyncio.create_task(read_running())
+            while not running:
+                await asyncio.sleep(0.005)
+            short = await timed_responses(stub, greedy_request(PROMPTS[0], 1))
+            await reader
+            return short, running
+
+    short, running = asyncio.run(scenario())
+    (token_at, token), (ended_at, last) = short
+    assert len(token.token_ids) == 1 and last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert [t for t in running if token_at < t < ended_at] == [], "a decode step ran before the last message"
 
 
 def test_cancelled_stream_frees_the_sequence(target):
