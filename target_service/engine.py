@@ -87,7 +87,7 @@ class Engine:
         return min(self.config.max_num_seqs - len(self.running), self.kv_cache.num_free_slots)
 
     def abort(self, seq: Sequence) -> None:
-        """The client went away: free the sequence here at once, or after the step that uses it."""
+        """Free the sequence here at once when it waits, or after the step that uses it when it runs."""
         if seq.finish is not None:
             return
         seq.finish = FinishReason.ABORT
@@ -108,7 +108,7 @@ class Engine:
         while self.sequences and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for seq in list(self.sequences.values()):
-            self._finish(seq, FinishReason.ABORT)
+            self.abort(seq)  # a waiting one leaves the queue: the step loop must not prefill it
         self._release_finished()
 
     async def stop(self) -> None:

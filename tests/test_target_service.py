@@ -227,6 +227,34 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
         service.kill()
 
 
+def test_a_drain_aborts_waiting_requests_without_prefilling_them(tmp_path):
+    """One slot: a request waits behind a long one; past the grace period the drain aborts both."""
+    service = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--max-num-seqs", "1",
+                                                "--grace-seconds", "1"], log_path=tmp_path / "target.log")
+    service.start().wait_healthy()
+    try:
+        async def scenario():
+            async with grpc.aio.insecure_channel(service.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                running = stub.Generate(greedy_request(PROMPTS[1], 400, ignore_eos=True))
+                await running.read()
+                waiting = asyncio.create_task(timed_responses(stub, greedy_request(PROMPTS[0], 16)))
+                while metric(scrape(service.metrics_url), "tandem_num_requests_waiting") < 1:
+                    await asyncio.sleep(0.02)
+                service.process.send_signal(signal.SIGTERM)
+                while (response := await running.read()) is not grpc.aio.EOF:
+                    running_last = response
+                return running_last, [response for _, response in await waiting]
+
+        running_last, waiting = asyncio.run(scenario())
+        assert running_last.finish_reason == generation_pb2.FINISH_REASON_ABORT
+        assert [list(r.token_ids) for r in waiting] == [[]], "the drain prefilled a request it had aborted"
+        assert waiting[-1].finish_reason == generation_pb2.FINISH_REASON_ABORT
+        assert service.process.wait(60) == 0
+    finally:
+        service.kill()
+
+
 def test_stop_token_ids_end_the_sequence_at_that_token(target):
     full = run_requests(target.address, [greedy_request(PROMPTS[0], MAX_TOKENS)])[0]
     stop_id = full.token_ids[3]
