@@ -245,19 +245,25 @@ class Engine:
             return
         if self.policy.draft_limit(len(decoding), [self._draft_cap(s) for s in decoding]) == 0:
             return
-        bound = self.policy.wait_bound()
-        deadline = time.perf_counter() + bound
-        while bound > 0:
-            missing = [s for s in decoding if self._awaits_drafts(s)]
+        started = time.perf_counter()
+        if await self._sleep_until_drafts(decoding, started + self.policy.wait_bound()):
+            self.metrics.draft_wait.observe(time.perf_counter() - started)
+
+    async def _sleep_until_drafts(self, decoding: list[Sequence], deadline: float) -> bool:
+        """Sleep until no sequence awaits drafts, the deadline, or a request to admit; whether it slept."""
+        slept = False
+        while True:
+            missing = any(self._awaits_drafts(s) for s in decoding)
             remaining = deadline - time.perf_counter()
             admissible = self.waiting and self._free_capacity() > 0
             if not missing or remaining <= 0 or (admissible and not self.policy.sync):
-                return
+                return slept
+            slept = True
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), remaining)
             except asyncio.TimeoutError:
-                return
+                return slept
 
     def _awaits_drafts(self, seq: Sequence) -> bool:
         """Speculating, no usable draft, and the drafter has not yet answered for this prefix."""
