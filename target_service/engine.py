@@ -239,14 +239,15 @@ class Engine:
 
         A new request ends the wait at once, so that waiting for drafts never delays a prefill,
         except in synchronous mode, whose point is to block as the pre-non-blocking design did.
-        No wait when the step would verify no drafts even if every sequence had all it can use.
+        No wait when the step would verify no drafts even if every sequence had all it can use,
+        nor while the drafter has left an update unanswered past its patience (hung or busy).
         """
         if self.link is None or not self.link.connected:
             return
         if self.policy.draft_limit(len(decoding), [self._draft_cap(s) for s in decoding]) == 0:
             return
         started = time.perf_counter()
-        if await self._sleep_until_drafts(decoding, started + self.policy.wait_bound()):
+        if await self._sleep_until_drafts(decoding, self.policy.wait_deadline(started)):
             self.metrics.draft_wait.observe(time.perf_counter() - started)
 
     async def _sleep_until_drafts(self, decoding: list[Sequence], deadline: float) -> bool:
@@ -367,13 +368,17 @@ class Engine:
         self._send_update(extends=extends)
 
     def _send_update(self, opens=(), extends=(), closes=()) -> None:
-        if self.link is not None and (opens or extends or closes):
-            self.link.send(drafter_pb2.TargetUpdate(opens=opens, extends=extends, closes=closes))
+        if self.link is None or not self.link.connected or not (opens or extends or closes):
+            return
+        if opens or extends:  # the drafter answers these, not Closes
+            self.policy.observe_update_sent(time.perf_counter())
+        self.link.send(drafter_pb2.TargetUpdate(opens=opens, extends=extends, closes=closes))
 
     def on_proposals(self, message: drafter_pb2.DraftProposals, wire_bytes: int) -> None:
         """Called on the event loop by the drafter link for every message it receives."""
         now = time.perf_counter()
         self.metrics.draft_wire_bytes.inc(wire_bytes)
+        self.policy.observe_answer()
         for msg in message.proposals:
             seq = self.sequences.get(msg.seq_id)
             if seq is None or seq.finish is not None or seq.slot is None:
