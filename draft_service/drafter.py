@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kernels.compression import CompressedProbs, pack
+from kernels.sampling import effective_temperature
 from tandem.v1 import drafter_pb2
 
 SeqKey = tuple[int, int]  # (stream id, sequence id): sequence ids are per Speculate stream
@@ -29,9 +30,12 @@ class Sampling:
 
     @classmethod
     def from_proto(cls, msg: drafter_pb2.DraftSampling) -> "Sampling":
-        """Proto3 leaves an unset top_p at 0, which means off; the uint64 seed becomes its int64 bits."""
+        """Proto3 leaves an unset top_p at 0, which means off; the uint64 seed becomes its int64 bits.
+
+        A temperature too small to divide logits by is greedy, as on the target."""
         seed = msg.seed - (1 << 64) if msg.seed >= 1 << 63 else msg.seed
-        return cls(msg.temperature, msg.top_k, msg.top_p or 1.0, msg.min_p, seed, msg.drafter_invariant)
+        return cls(effective_temperature(msg.temperature), msg.top_k, msg.top_p or 1.0, msg.min_p, seed,
+                   msg.drafter_invariant)
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,10 @@ all in one batch on the drafter's thread, and queues the proposals on each seque
 Updates that arrive during a round make their sequences dirty again, so the next round drafts
 from the newest prefix; a proposal for a prefix that moved on is still sent, since the target
 salvages stale drafts by base_len.
+
+Every Open and Extend gets an answer, so that the target knows it need not wait: a round's drafts,
+or an empty proposal ("nothing for this prefix") for a refused Open, an Extend of a refused
+sequence, a job over the drafter's budget, or a round that failed.
 """
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ class Stream:
     sequences: dict[int, Sequence] = field(default_factory=dict)
     # Sequences whose Open was refused: their later Extends and Close are dropped without a count.
     refused: set[int] = field(default_factory=set)
+    # Empty proposals for refused sequences, sent when the update that asked is applied.
+    undrafted: list[drafter_pb2.DraftProposal] = field(default_factory=list)
     outbox: asyncio.Queue[drafter_pb2.DraftProposals | None] = field(default_factory=asyncio.Queue)
 
 
@@ -107,7 +113,10 @@ class DraftScheduler:
         self._wake.set()
 
     def apply(self, stream: Stream, update: drafter_pb2.TargetUpdate) -> None:
-        """Opens, then Extends, then Closes: one update may open, extend and close a sequence."""
+        """Opens, then Extends, then Closes: one update may open, extend and close a sequence.
+
+        A refused Open, and an Extend of a refused sequence, are answered at once with nothing.
+        """
         self._metrics.updates.inc()
         for kind, messages, handler in (("Open", update.opens, self._open),
                                         ("Extend", update.extends, self._extend),
@@ -118,6 +127,10 @@ class DraftScheduler:
                 except InvalidUpdate as e:
                     self._metrics.count_invalid(e.reason)
                     log.warning("stream %d: skipped %s of sequence %d: %s", stream.id, kind, msg.seq_id, e)
+        if stream.undrafted:
+            self._metrics.proposals.inc(len(stream.undrafted))
+            stream.outbox.put_nowait(drafter_pb2.DraftProposals(proposals=stream.undrafted))
+            stream.undrafted = []
         if self._dirty or self._slot_ops:
             self._wake.set()
 
@@ -129,6 +142,7 @@ class DraftScheduler:
             self._check_open(msg, sampling)
         except InvalidUpdate:
             stream.refused.add(msg.seq_id)
+            stream.undrafted.append(nothing_for(msg.seq_id, len(msg.prompt_ids)))
             raise
         stream.refused.discard(msg.seq_id)
         sequence = Sequence((stream.id, msg.seq_id), list(msg.prompt_ids), sampling, msg.k)
@@ -160,7 +174,8 @@ class DraftScheduler:
 
     def _extend(self, stream: Stream, msg: drafter_pb2.SequenceExtend) -> None:
         sequence = self._find(stream, msg.seq_id)
-        if sequence is None:
+        if sequence is None:  # refused: no round will draft it
+            stream.undrafted.append(nothing_for(msg.seq_id, msg.start + len(msg.token_ids)))
             return
         if msg.start > len(sequence.tokens):
             raise InvalidUpdate("bad_start", f"start={msg.start} is past the sequence's {len(sequence.tokens)} tokens")
@@ -208,6 +223,7 @@ class DraftScheduler:
             except Exception:
                 self._metrics.errors.inc()
                 log.exception("a drafting round of %d sequences failed", len(jobs))
+                self._deliver(jobs, [], 0.0)  # nothing for each of them: the target need not wait
                 continue
             elapsed = time.perf_counter() - began
             if jobs:
@@ -224,14 +240,24 @@ class DraftScheduler:
         return self._drafter.draft(jobs) if jobs else []
 
     def _deliver(self, jobs: list[DraftJob], drafts: list[Draft], elapsed: float) -> None:
-        """One DraftProposals message per stream; drafts of sequences closed meanwhile are dropped."""
-        sequences = {job.sequence.key: job.sequence for job in jobs}
+        """One DraftProposals message per stream, with an answer for every job: its draft, or nothing.
+
+        Jobs of sequences closed meanwhile are dropped.
+        """
+        drafted = {draft.key: draft.to_proto() for draft in drafts}
         by_stream: dict[int, list[drafter_pb2.DraftProposal]] = {}
-        for draft in drafts:
-            if not sequences[draft.key].closed:
-                by_stream.setdefault(draft.key[0], []).append(draft.to_proto())
-                self._metrics.tokens.inc(len(draft.token_ids))
+        for job in jobs:
+            key = job.sequence.key
+            if not job.sequence.closed:
+                proposal = drafted[key] if key in drafted else nothing_for(key[1], job.base_len)
+                by_stream.setdefault(key[0], []).append(proposal)
+                self._metrics.tokens.inc(len(proposal.token_ids))
         for stream_id, proposals in by_stream.items():
             self._metrics.proposals.inc(len(proposals))
             message = drafter_pb2.DraftProposals(proposals=proposals, draft_time_ns=int(elapsed * 1e9))
             self._streams[stream_id].outbox.put_nowait(message)
+
+
+def nothing_for(seq_id: int, base_len: int) -> drafter_pb2.DraftProposal:
+    """The empty proposal: the drafter has no drafts for this prefix, so the target need not wait."""
+    return drafter_pb2.DraftProposal(seq_id=seq_id, base_len=base_len)

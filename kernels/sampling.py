@@ -1,8 +1,9 @@
 """Sampling: the target's processed distribution p, and keyed draws from it.
 
 `processed_probs` turns logits into p (temperature, then top-k, top-p and min-p), one set of
-parameters per row. Greedy rows (temperature 0) get the one-hot of the first argmax, so every
-later step treats greedy and random rows alike: a draw from a one-hot p is its argmax.
+parameters per row. Greedy rows (temperature 0, or below GREEDY_BELOW_TEMPERATURE) get the one-hot
+of the first argmax, so every later step treats greedy and random rows alike: a draw from a
+one-hot p is its argmax.
 
 `sample` draws by an exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) keyed by
 (seed, position, salt), which is a draw from p (the Gumbel-max trick, since
@@ -21,6 +22,14 @@ from kernels.random import TARGET_SALT, race_weights, tl_race_weights
 
 # A GPU pays for a block in registers, Triton's CPU interpreter per loop iteration.
 BLOCK_V = 4096 if INTERPRETED else 1024
+# Temperatures below this sample greedily, as in vLLM: logits / T overflows float32 long before T
+# reaches 0, and a softmax of infinities is NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature sampling uses: 0 (greedy) for one in [0, GREEDY_BELOW_TEMPERATURE); others unchanged."""
+    return 0.0 if 0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature
 
 
 def processed_probs(
@@ -33,14 +42,17 @@ def processed_probs(
     """p [B, V] float32 from logits [B, V]; per row temperature, top_k (<= 0: off), top_p, min_p."""
     _check_sampling_params(logits, temperature, top_k, top_p, min_p)
     logits = logits.float()
-    greedy = temperature == 0  # [B]
+    greedy = temperature < GREEDY_BELOW_TEMPERATURE  # [B]
     one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
     if bool(greedy.all()):  # the common serving case: no softmax over the vocabulary at all
         return one_hot
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / scale[:, None], dim=-1)  # [B, V]
-    if bool((top_k > 0).any() | (top_p < 1).any() | (min_p > 0).any()):
-        probs = _filter(probs, top_k, top_p, min_p)
+    # Only the rows that ask: filtering renormalizes and drops a float32 tail, so a row that asks
+    # for nothing must not depend on what it is batched with.
+    filtered = ((top_k > 0) | (top_p < 1) | (min_p > 0)).nonzero().squeeze(1)  # [F]
+    if filtered.numel():
+        probs[filtered] = _filter(probs[filtered], top_k[filtered], top_p[filtered], min_p[filtered])
     return torch.where(greedy[:, None], one_hot, probs)
 
 

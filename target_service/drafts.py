@@ -76,9 +76,14 @@ def usable_drafts(seq: Sequence, limit: int) -> UsableDrafts | None:
 
 
 def is_stale_mismatch(seq: Sequence) -> bool:
-    """The stored proposal was drafted from an older prefix that the committed tokens contradict."""
+    """The stored proposal was drafted from an older prefix that the committed tokens contradict.
+
+    Committed tokens that match every draft and go past them (all accepted, then the bonus token)
+    used the proposal up: that is no contradiction.
+    """
     proposal = seq.proposal
     if proposal is None:
         return False
-    skip = len(seq.token_ids) - proposal.base_len
-    return skip > 0 and tuple(seq.token_ids[proposal.base_len:]) != proposal.tokens[:skip]
+    since = tuple(seq.token_ids[proposal.base_len:])
+    overlap = min(len(since), len(proposal.tokens))
+    return since[:overlap] != proposal.tokens[:overlap]

@@ -87,7 +87,7 @@ class Engine:
         return min(self.config.max_num_seqs - len(self.running), self.kv_cache.num_free_slots)
 
     def abort(self, seq: Sequence) -> None:
-        """The client went away: free the sequence here at once, or after the step that uses it."""
+        """Free the sequence here at once when it waits, or after the step that uses it when it runs."""
         if seq.finish is not None:
             return
         seq.finish = FinishReason.ABORT
@@ -108,7 +108,7 @@ class Engine:
         while self.sequences and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for seq in list(self.sequences.values()):
-            self._finish(seq, FinishReason.ABORT)
+            self.abort(seq)  # a waiting one leaves the queue: the step loop must not prefill it
         self._release_finished()
 
     async def stop(self) -> None:
@@ -167,7 +167,8 @@ class Engine:
         tokens = await self._in_executor(self.runner.prefill, items)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in admitted))
-        await self._emit(admitted, [Verified(tokens=[token], num_accepted=0) for token in tokens])
+        outputs = self._commit(admitted, [Verified(tokens=[token], num_accepted=0) for token in tokens])
+        await self._publish(admitted, outputs)
 
     async def _verify(self, decoding: list[Sequence]) -> None:
         budget = self.policy.draft_limit(len(decoding), [self._num_usable(s) for s in decoding])
@@ -179,9 +180,11 @@ class Engine:
         self.metrics.child(self.metrics.step, kind=kind).observe(elapsed)
         self.policy.observe_step(sum(1 + i.num_drafts for i in items), elapsed)
         live = [(seq, item, result) for seq, item, result in zip(decoding, items, results) if seq.finish is None]
-        for seq, item, result in live:
-            self._record_verification(seq, item, result)
-        await self._emit([seq for seq, _, _ in live], [result for _, _, result in live])
+        seqs = [seq for seq, _, _ in live]
+        outputs = self._commit(seqs, [result for _, _, result in live])
+        for (seq, item, result), output in zip(live, outputs):
+            self._record_verification(seq, item, result, output)
+        await self._publish(seqs, outputs)
 
     def _draft_cap(self, seq: Sequence) -> int:
         """The most drafts this sequence can verify: its k, the tokens it may still add, the cache."""
@@ -211,19 +214,24 @@ class Engine:
         return VerifyItem(slot=seq.slot, length=len(seq.token_ids), last_token=seq.token_ids[-1],
                           drafts=drafts, options=seq.options)
 
-    def _record_verification(self, seq: Sequence, item: VerifyItem, result: Verified) -> None:
+    def _record_verification(self, seq: Sequence, item: VerifyItem, result: Verified, output: Output) -> None:
+        """Usage and metrics count the accepted drafts that were committed: a stop discards the rest.
+
+        The policy learns from the verifier's verdict, which judges the drafter, not the stop.
+        """
         if not item.num_drafts:
             return
+        self.policy.observe_verify(result.num_accepted, item.num_drafts)
+        accepted = output.num_accepted
         seq.draft_tokens += item.num_drafts
         seq.draft_steps += 1
-        seq.accepted_tokens += result.num_accepted
-        self.policy.observe_verify(result.num_accepted, item.num_drafts)
+        seq.accepted_tokens += accepted
         m = self.metrics
         m.num_drafts.inc()
         m.num_draft_tokens.inc(item.num_drafts)
-        m.num_accepted_tokens.inc(result.num_accepted)
-        m.acceptance_length.observe(result.num_accepted + 1)
-        for position in range(result.num_accepted):
+        m.num_accepted_tokens.inc(accepted)
+        m.acceptance_length.observe(accepted + 1)
+        for position in range(accepted):
             m.child(m.accepted_per_pos, position=str(position)).inc()
 
     async def _wait_for_drafts(self, decoding: list[Sequence]) -> None:
@@ -231,25 +239,32 @@ class Engine:
 
         A new request ends the wait at once, so that waiting for drafts never delays a prefill,
         except in synchronous mode, whose point is to block as the pre-non-blocking design did.
-        No wait when the step would verify no drafts even if every sequence had all it can use.
+        No wait when the step would verify no drafts even if every sequence had all it can use,
+        nor while the drafter has left an update unanswered past its patience (hung or busy).
         """
         if self.link is None or not self.link.connected:
             return
         if self.policy.draft_limit(len(decoding), [self._draft_cap(s) for s in decoding]) == 0:
             return
-        bound = self.policy.wait_bound()
-        deadline = time.perf_counter() + bound
-        while bound > 0:
-            missing = [s for s in decoding if self._awaits_drafts(s)]
+        started = time.perf_counter()
+        if await self._sleep_until_drafts(decoding, self.policy.wait_deadline(started)):
+            self.metrics.draft_wait.observe(time.perf_counter() - started)
+
+    async def _sleep_until_drafts(self, decoding: list[Sequence], deadline: float) -> bool:
+        """Sleep until no sequence awaits drafts, the deadline, or a request to admit; whether it slept."""
+        slept = False
+        while True:
+            missing = any(self._awaits_drafts(s) for s in decoding)
             remaining = deadline - time.perf_counter()
             admissible = self.waiting and self._free_capacity() > 0
             if not missing or remaining <= 0 or (admissible and not self.policy.sync):
-                return
+                return slept
+            slept = True
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), remaining)
             except asyncio.TimeoutError:
-                return
+                return slept
 
     def _awaits_drafts(self, seq: Sequence) -> bool:
         """Speculating, no usable draft, and the drafter has not yet answered for this prefix."""
@@ -259,20 +274,24 @@ class Engine:
     async def _in_executor(self, fn, items):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, items)
 
-    # ---- committing and emitting ------------------------------------------------------------
+    # ---- committing and publishing ----------------------------------------------------------
 
-    async def _emit(self, seqs: list[Sequence], results: list[Verified]) -> None:
-        """Commit a step's tokens, tell the drafter, and send them to the clients.
-
-        Asynchronous speculation sends at once. Synchronous speculation (the blocking baseline)
-        first waits for the drafts of the new prefixes, as before vLLM's non-blocking change.
-        """
+    def _commit(self, seqs: list[Sequence], results: list[Verified]) -> list[Output]:
+        """Append a step's tokens to each sequence, up to a stop or its budget, which ends it."""
         outputs = []
         for seq, result in zip(seqs, results):
             output, finish = seq.commit(result.tokens, result.num_accepted, self.kv_cache.max_len)
             outputs.append(output)
             if finish is not None:
                 self._finish(seq, finish)
+        return outputs
+
+    async def _publish(self, seqs: list[Sequence], outputs: list[Output]) -> None:
+        """Tell the drafter about the committed tokens, and send them to the clients.
+
+        Asynchronous speculation sends at once. Synchronous speculation (the blocking baseline)
+        first waits for the drafts of the new prefixes, as before vLLM's non-blocking change.
+        """
         self._send_extends(seqs)
         if self.policy.sync:
             await self._wait_for_drafts([s for s in seqs if s.finish is None])
@@ -280,6 +299,8 @@ class Engine:
         for seq, output in zip(seqs, outputs):
             self._observe_tokens(seq, len(output.token_ids), now)
             seq.outbox.put_nowait(output)
+        # At once: a request that ended on its prefill token must not wait for the decode step.
+        self._release_finished()
 
     def _observe_tokens(self, seq: Sequence, count: int, now: float) -> None:
         m = self.metrics
@@ -293,7 +314,7 @@ class Engine:
         seq.last_token_at = now
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Mark a sequence done; its slot is freed between steps by _release_finished."""
+        """Mark a sequence done; _release_finished frees its slot once its tokens are published."""
         if seq.finish is None or seq.finish is reason:
             seq.finish = reason
         self._work.set()
@@ -328,9 +349,14 @@ class Engine:
         return open_message(seq, self.link.max_k)
 
     def reopen_all(self) -> drafter_pb2.TargetUpdate:
-        """After a (re)connect: every running sequence, opened with its committed tokens."""
+        """After a (re)connect: every running sequence, opened with its committed tokens.
+
+        The new stream knows only the sequences opened on it, so the others (finished ones not yet
+        released) must send it no Extend or Close.
+        """
         for seq in self.running:
             seq.proposal = None
+            seq.drafter_len = 0
         return drafter_pb2.TargetUpdate(
             opens=[self._open_message(s) for s in self.running if s.finish is None and self._speculates(s)]
         )
@@ -342,13 +368,17 @@ class Engine:
         self._send_update(extends=extends)
 
     def _send_update(self, opens=(), extends=(), closes=()) -> None:
-        if self.link is not None and (opens or extends or closes):
-            self.link.send(drafter_pb2.TargetUpdate(opens=opens, extends=extends, closes=closes))
+        if self.link is None or not self.link.connected or not (opens or extends or closes):
+            return
+        if opens or extends:  # the drafter answers these, not Closes
+            self.policy.observe_update_sent(time.perf_counter())
+        self.link.send(drafter_pb2.TargetUpdate(opens=opens, extends=extends, closes=closes))
 
     def on_proposals(self, message: drafter_pb2.DraftProposals, wire_bytes: int) -> None:
         """Called on the event loop by the drafter link for every message it receives."""
         now = time.perf_counter()
         self.metrics.draft_wire_bytes.inc(wire_bytes)
+        self.policy.observe_answer()
         for msg in message.proposals:
             seq = self.sequences.get(msg.seq_id)
             if seq is None or seq.finish is not None or seq.slot is None:

@@ -34,6 +34,7 @@ class TargetMetrics:
         self.queue_time = histogram("tandem_request_queue_time_seconds", "Arrival to admission.")
         self.step = histogram("tandem_step_duration_seconds", "Model step time by kind.", extra=("kind",))
         self.draft_rtt = histogram("tandem_draft_rtt_seconds", "Update sent to the drafter until its proposal arrived.")
+        self.draft_wait = histogram("tandem_draft_wait_seconds", "Time a step waited for drafts (steps that waited).")
         self.acceptance_length = histogram(
             "tandem_acceptance_length", "Tokens emitted per verify step (accepted + 1).", buckets=ACCEPTANCE_BUCKETS
         )

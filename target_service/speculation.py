@@ -8,6 +8,8 @@ _MODEL_SMOOTHING = 0.02  # the same for the step-cost fit and alpha: slower, as 
 _MIN_SPREAD = 0.01  # tokens^2: below this variance of step sizes the cost slope would be noise
 _MIN_SECONDS = 1e-6  # keeps the fitted step time positive
 _EXPLORE_EVERY = 16  # one step in this many verifies one draft fewer than the best, or one
+_SYNC_WAIT = 1.0  # synchronous speculation waits this long at most, so that a dead drafter can't stall us
+_PATIENCE_RTTS = 4  # a drafter that answers nothing for this many of its round trips is taken as hung
 
 
 class SpeculationPolicy:
@@ -19,7 +21,11 @@ class SpeculationPolicy:
 
     Verifying drafts also lengthens the step, by more the larger the batch, so draft_limit caps the
     drafts per sequence where the expected tokens per second are highest, from a fitted cost model
-    of a step and the measured per-draft acceptance rate alpha."""
+    of a step and the measured per-draft acceptance rate alpha.
+
+    The drafter answers every update, if only with nothing. When it has left an update unanswered
+    for longer than its patience (a few round trips, and at least the longest wait), it is taken
+    as hung or busy: steps stop waiting for it until it answers again."""
 
     def __init__(self, config: TargetConfig):
         self.max_wait = config.draft_wait_ms / 1000.0
@@ -27,6 +33,7 @@ class SpeculationPolicy:
         self.mean_accepted = 1.0  # optimistic until measured, so that a new drafter gets a chance
         self.mean_step = self.max_wait
         self.mean_rtt = 0.0  # update sent -> proposal received; optimistic until measured
+        self._unanswered_since: float | None = None  # the first update sent since the drafter's last answer
         self._steps = 0
         self._fit = [0.0] * 5  # exponentially weighted sums of 1, n, t, n*n, n*t over steps
         self._accepted = self._judged = 1.0  # alpha = 1 until measured, so that drafts get tried
@@ -51,6 +58,15 @@ class SpeculationPolicy:
 
     def observe_draft_rtt(self, seconds: float) -> None:
         self.mean_rtt += _SMOOTHING * (seconds - self.mean_rtt)
+
+    def observe_update_sent(self, now: float) -> None:
+        """An update that the drafter will answer (Opens or Extends) was sent."""
+        if self._unanswered_since is None:
+            self._unanswered_since = now
+
+    def observe_answer(self) -> None:
+        """A message came from the drafter: it is alive, and steps may wait for it again."""
+        self._unanswered_since = None
 
     @property
     def alpha(self) -> float:
@@ -100,6 +116,17 @@ class SpeculationPolicy:
 
     def wait_bound(self) -> float:
         if self.sync:
-            return 1.0  # synchronous speculation: wait for the drafter, bounded so a dead one can't stall us
+            return _SYNC_WAIT
         bound = min(self.max_wait, self.mean_accepted * self.mean_step)
         return bound if self.mean_rtt <= bound else 0.0
+
+    def patience(self) -> float:
+        """How long the drafter may leave an update unanswered before steps stop waiting for it."""
+        return max(_PATIENCE_RTTS * self.mean_rtt, _SYNC_WAIT if self.sync else self.max_wait)
+
+    def wait_deadline(self, now: float) -> float:
+        """When a step that starts waiting for drafts now stops: after the bound, or when patience runs out."""
+        deadline = now + self.wait_bound()
+        if self._unanswered_since is not None:
+            deadline = min(deadline, self._unanswered_since + self.patience())
+        return deadline

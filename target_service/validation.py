@@ -7,6 +7,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kernels.random import fresh_seed
+from kernels.sampling import effective_temperature
 from target_service.config import TargetConfig
 from target_service.errors import RequestError, invalid
 from target_service.sequence import SamplingOptions
@@ -81,7 +82,7 @@ def sampling_options(
     if k > MAX_SPECULATIVE_TOKENS:
         raise invalid("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}")
     return SamplingOptions(
-        temperature=float(temperature),
+        temperature=effective_temperature(float(temperature)),
         top_p=float(top_p),
         top_k=params.top_k if params.top_k < vocab_size else 0,
         min_p=float(min_p),

@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 
 from tandem.client import GenerationResult, generate, open_channel
+from tandem.launch import ServiceProcess, free_port
 from tandem.metrics_scrape import metric, scrape  # noqa: F401 (re-exported to tests)
 from tandem.tls import ClientTls, bearer_metadata
-from tandem.v1 import generation_pb2, generation_pb2_grpc
+from tandem.v1 import drafter_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 PROMPTS = [
     "What is the capital of France?",
@@ -58,3 +64,26 @@ def call_error(address: str, request: generation_pb2.GenerateRequest, tls: Clien
         except grpc.RpcError as err:
             return err
     raise AssertionError("the request succeeded; an error was expected")
+
+
+async def timed_responses(stub: generation_pb2_grpc.GenerationStub, request: generation_pb2.GenerateRequest,
+                          timeout: float = 300.0) -> list[tuple[float, generation_pb2.GenerateResponse]]:
+    """Every response of one Generate call, each with its arrival time on time.monotonic's clock."""
+    return [(time.monotonic(), response) async for response in stub.Generate(request, timeout=timeout)]
+
+@contextmanager
+def target_with_drafter(drafter: drafter_pb2_grpc.DrafterServicer, log_dir: Path,
+                        *target_args: str) -> Iterator[ServiceProcess]:
+    """A healthy target process whose drafter is a test's own servicer, served from this process."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    drafter_pb2_grpc.add_DrafterServicer_to_server(drafter, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", *target_args,
+                                               "--drafter", f"127.0.0.1:{port}"], log_path=log_dir / "target.log")
+    try:
+        yield target.start().wait_healthy()
+    finally:
+        target.kill()
+        server.stop(0)

@@ -64,7 +64,8 @@ class Speculation:
                     return p
             message = await asyncio.wait_for(self.call.read(), WAIT_S)
             assert message is not grpc.aio.EOF, "the stream ended"
-            assert message.draft_time_ns > 0
+            # Drafts took drafting time; an answer of nothing (a refused Open) may come at once.
+            assert message.draft_time_ns > 0 or not any(p.token_ids for p in message.proposals)
             self.received.extend(message.proposals)
 
 
@@ -185,6 +186,18 @@ async def test_sampled_drafts_carry_the_q_prime_they_were_drawn_from(model_serve
     assert proposals[0].token_ids == proposals[1].token_ids and proposals[0].probs == proposals[1].probs
 
 
+async def test_a_temperature_below_1e_5_drafts_greedily_beside_a_sampled_sequence(model_server, reference):
+    """logits / 1e-40 overflows to a NaN q, which must not fail the batched round of the other sequence."""
+    prompt = reference.tokenizer.encode("The capital of France is")
+    greedy = greedy_generate(reference.model, prompt, K)
+    async with speculate(model_server) as stream:
+        await stream.send(opens=[_open(1, prompt, temperature=1e-40, seed=3),
+                                 _open(2, prompt, temperature=1.0, seed=3)])
+        tiny, sampled = await stream.proposal(1), await stream.proposal(2)
+    assert (list(tiny.token_ids), tiny.probs) == (greedy, b"")
+    assert len(sampled.token_ids) == K and sampled.probs
+
+
 async def test_close_and_stream_end_free_sequences(model_server, reference):
     prompt = reference.tokenizer.encode("Hello")
     async with speculate(model_server) as stream:
@@ -236,6 +249,20 @@ async def test_bad_updates_are_counted_and_skipped(model_server, reference):
     after = _invalid(model_server)
     assert {r: after[r] - before[r] for r in after} == {
         "unknown_seq": 1, "prompt_too_long": 1, "bad_k": 1, "bad_token_id": 2, "no_free_slot": 0, "duplicate_seq": 0}
+
+
+async def test_every_open_and_extend_is_answered_even_with_nothing(model_server, reference):
+    """A refused Open, an Extend of it, and a job past the drafter's length get an empty proposal."""
+    prompt = reference.tokenizer.encode("One, two, three,")
+    full = [5] * MAX_MODEL_LEN  # fits; one more token leaves no room to draft
+    async with speculate(model_server) as stream:
+        await stream.send(opens=[_open(1, [5] * (MAX_MODEL_LEN + 1)), _open(2, prompt, k=MAX_K + 1), _open(3, full)])
+        for seq_id, base_len in ((1, MAX_MODEL_LEN + 1), (2, len(prompt))):
+            assert list((await stream.proposal(seq_id, base_len)).token_ids) == []
+        assert len((await stream.proposal(3, MAX_MODEL_LEN)).token_ids) == 1
+        await stream.send(extends=[_extend(1, MAX_MODEL_LEN + 1, [7]), _extend(3, MAX_MODEL_LEN, [7])])
+        for seq_id in (1, 3):
+            assert list((await stream.proposal(seq_id, MAX_MODEL_LEN + 1 + (seq_id == 1))).token_ids) == []
 
 
 PHRASE = " the quick brown fox jumps over the lazy dog"

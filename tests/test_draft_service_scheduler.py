@@ -59,3 +59,37 @@ async def test_closing_a_stream_frees_its_sequences(scheduler):
     proposals = (await asyncio.wait_for(second.outbox.get(), 10)).proposals
     assert sorted(p.seq_id for p in proposals) == [1, 2]
     assert first.outbox.empty()
+
+
+class FailingDrafter(NgramDrafter):
+    """Every round fails, as a bug or an input the kernels refuse would make it."""
+
+    def draft(self, jobs):
+        raise RuntimeError("this round fails")
+
+
+async def test_a_failed_round_answers_each_of_its_sequences_with_nothing():
+    metrics = DraftMetrics("test")
+    scheduler = DraftScheduler(FailingDrafter(1, 4), metrics, LIMITS)
+    scheduler.start()
+    try:
+        stream = scheduler.open_stream()
+        scheduler.apply(stream, _update(opens=[(1, PROMPT), (2, PROMPT + [3])]))
+        message = await asyncio.wait_for(stream.outbox.get(), 10)
+        assert sorted((p.seq_id, p.base_len, list(p.token_ids)) for p in message.proposals) == [
+            (1, 6, []), (2, 7, [])]
+        labels = {"model": "test", "service": "draft"}
+        assert metrics.registry.get_sample_value("tandem_draft_errors_total", labels) == 1
+    finally:
+        await scheduler.stop()
+
+
+async def test_a_refused_open_and_its_extends_are_answered_at_once(scheduler):
+    stream = scheduler.open_stream()
+    scheduler.apply(stream, _update(opens=[(1, PROMPT), (2, PROMPT), (3, PROMPT)]))  # two slots
+    scheduler.apply(stream, _update(extends=[(3, 6, [3, 4])]))
+    for base_len in (6, 8):  # before the round's 0.3 s delay is over
+        [refused] = (await asyncio.wait_for(stream.outbox.get(), 0.2)).proposals
+        assert (refused.seq_id, refused.base_len, list(refused.token_ids)) == (3, base_len, [])
+    drafted = (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
+    assert sorted(p.seq_id for p in drafted) == [1, 2]

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import pytest
 
-from service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape
-from tandem.launch import ServiceProcess, free_port
+from service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape, target_with_drafter
 from tandem.runtime import load_tokenizer
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2
 
@@ -55,17 +53,9 @@ class HostileDrafter(drafter_pb2_grpc.DrafterServicer):
 
 @pytest.fixture(scope="module")
 def hostile_target(tmp_path_factory, smollm2_path):
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    drafter_pb2_grpc.add_DrafterServicer_to_server(HostileDrafter(load_tokenizer(smollm2_path).fingerprint), server)
-    port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--num-speculative-tokens",
-                                               "4", "--drafter", f"127.0.0.1:{port}"],
-                            log_path=tmp_path_factory.mktemp("hostile") / "target.log").start().wait_healthy()
-    yield target
-    target.kill()
-    server.stop(0)
+    drafter = HostileDrafter(load_tokenizer(smollm2_path).fingerprint)
+    with target_with_drafter(drafter, tmp_path_factory.mktemp("hostile"), "--num-speculative-tokens", "4") as target:
+        yield target
 
 
 def _rejected(samples: dict[str, float], reason: str) -> float:
@@ -153,19 +143,11 @@ class ScriptedDrafter(drafter_pb2_grpc.DrafterServicer):
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory, smollm2_path):
     drafter = ScriptedDrafter(load_tokenizer(smollm2_path).fingerprint)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    drafter_pb2_grpc.add_DrafterServicer_to_server(drafter, server)
-    port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--num-speculative-tokens",
-                                               "4", "--draft-wait-ms", "20", "--drafter", f"127.0.0.1:{port}"],
-                            log_path=tmp_path_factory.mktemp("scripted") / "target.log").start().wait_healthy()
-    alone = run_requests(target.address, [greedy_request(p, 10, speculate=False) for p in PROMPTS[:2]])
-    yield drafter, target, [a.token_ids for a in alone]
-    drafter.release.set()
-    target.kill()
-    server.stop(0)
+    with target_with_drafter(drafter, tmp_path_factory.mktemp("scripted"), "--num-speculative-tokens", "4",
+                             "--draft-wait-ms", "20") as target:
+        alone = run_requests(target.address, [greedy_request(p, 10, speculate=False) for p in PROMPTS[:2]])
+        yield drafter, target, [a.token_ids for a in alone]
+        drafter.release.set()
 
 
 def _rss(pid: int) -> int:

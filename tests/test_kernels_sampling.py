@@ -77,6 +77,23 @@ def test_rows_are_processed_independently():
         assert abs(float(together[row].sum()) - 1.0) < 1e-6
 
 
+def test_temperatures_below_1e_5_are_greedy():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(6))
+    probs = processed_probs(logits, **_params(3, temperature=[1e-40, 9e-6, 0.0]))
+    assert torch.equal(probs, processed_probs(logits, **_params(3, temperature=0.0)))
+
+
+@pytest.mark.parametrize("name, value, off", [("top_k", 5, 0), ("top_p", 0.9, 1.0), ("min_p", 0.05, 0.0)])
+def test_a_row_without_filters_is_bit_identical_beside_a_filtered_one(name, value, off):
+    # A large vocabulary with spread logits: a filter's float32 cumulative sum would reach 1 before
+    # the far tail, and its renormalization would move the other probabilities.
+    logits = 4 * torch.randn(2, 4097, generator=torch.Generator().manual_seed(5))
+    together = processed_probs(logits, **_params(2, temperature=0.9, **{name: [value, off]}))
+    alone = processed_probs(logits[1:], **_params(1, temperature=0.9))
+    assert torch.equal(together[1:], alone)
+    assert bool((alone > 0).all())  # the far tail is kept
+
+
 @pytest.mark.parametrize(
     "params, field",
     [

@@ -1,6 +1,7 @@
 """The pair as real processes on loopback: greedy identity, TTFT under a slow drafter, drafter faults."""
 from __future__ import annotations
 
+import signal
 import statistics
 import time
 
@@ -122,6 +123,42 @@ def test_drafter_killed_and_restarted(tmp_path_factory):
         assert again.token_ids == expected
         after = metric(scrape(target.metrics_url), "tandem_spec_decode_num_accepted_tokens_total")
         assert after > before, "speculation did not resume after the drafter came back"
+    finally:
+        target.kill()
+        draft.kill()
+
+
+def test_a_hung_drafter_makes_no_step_wait_and_speculation_resumes_when_it_answers(tmp_path_factory):
+    """SIGSTOP: the drafter stays connected but answers nothing. Steps must soon stop waiting for it."""
+    draft, target = _pair(tmp_path_factory, "hung", ["--drafter", "ngram"], ["--draft-wait-ms", "50"])
+    request = greedy_request(PROMPTS[4], 48, ignore_eos=True)
+    try:
+        [alone] = run_requests(target.address, [greedy_request(PROMPTS[4], 48, ignore_eos=True, speculate=False)])
+        [warm] = run_requests(target.address, [request])
+        assert warm.token_ids == alone.token_ids and warm.draft_tokens > 0
+        before = scrape(target.metrics_url)
+        draft.process.send_signal(signal.SIGSTOP)
+        try:
+            [hung] = run_requests(target.address, [request])
+            after = scrape(target.metrics_url)
+        finally:
+            draft.process.send_signal(signal.SIGCONT)
+        assert hung.token_ids == alone.token_ids
+
+        def delta(name: str, **labels: str) -> float:
+            return metric(after, name, **labels) - metric(before, name, **labels)
+
+        steps = delta("tandem_step_duration_seconds_count", kind="decode") + delta(
+            "tandem_step_duration_seconds_count", kind="verify")
+        # Without an answer for longer than a few draft round trips (at least the wait bound),
+        # steps stop waiting: a handful of steps wait, and for well under the 0.2 s that allows.
+        assert delta("tandem_draft_wait_seconds_count") <= steps / 4, "most steps waited for a silent drafter"
+        assert delta("tandem_draft_wait_seconds_sum") < 0.5
+
+        _wait_connected(target)
+        [resumed] = run_requests(target.address, [request])
+        assert resumed.token_ids == alone.token_ids
+        assert resumed.draft_tokens > 0, "speculation did not resume once the drafter answered again"
     finally:
         target.kill()
         draft.kill()

@@ -46,6 +46,28 @@ def test_synchronous_speculation_waits_for_the_drafter_whatever_it_costs():
     assert policy.wait_bound() == 1.0
 
 
+def test_a_silent_drafter_is_waited_for_only_until_its_patience_runs_out():
+    policy = _policy(draft_wait_ms=30)  # bound 30 ms
+    for _ in range(200):
+        policy.observe_draft_rtt(0.005)
+    assert policy.patience() == pytest.approx(0.030)  # four round trips are less than the bound
+    assert policy.wait_deadline(10.0) == pytest.approx(10.030)
+    policy.observe_update_sent(10.0)
+    policy.observe_update_sent(10.020)  # the first unanswered update sets the clock
+    assert policy.wait_deadline(10.020) == pytest.approx(10.030)
+    assert policy.wait_deadline(10.100) < 10.100  # silent past its patience: no wait at all
+    policy.observe_answer()
+    assert policy.wait_deadline(10.100) == pytest.approx(10.130)
+
+
+def test_patience_grows_with_the_drafter_round_trip():
+    policy = _policy(draft_wait_ms=30)
+    for _ in range(200):
+        policy.observe_draft_rtt(0.020)
+    assert policy.patience() == pytest.approx(0.080, rel=1e-3)
+    assert _policy(draft_wait_ms=3, sync=True).patience() == 1.0
+
+
 def _fitted(fixed: float, per_token: float, alpha: float, sync: bool = False) -> SpeculationPolicy:
     """A policy that has seen steps of several sizes cost fixed + per_token * n, and drafts accepted
     at a rate alpha (ten verifications of one draft, alpha * 10 of them accepted, repeated)."""

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from service_fixtures import PROMPTS, call_error, greedy_request, metric, run_requests, scrape
+from service_fixtures import PROMPTS, call_error, greedy_request, metric, run_requests, scrape, timed_responses
 from tandem.generate import greedy_generate
 from tandem.launch import ServiceProcess
 from tandem.model.llama import build_model
@@ -73,6 +73,16 @@ def test_bad_sampling_parameters_are_invalid_argument(target, params, field):
     assert field in err.details()
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 9e-6])
+def test_temperatures_below_1e_5_are_greedy(target, reference, temperature):
+    """logits / 1e-40 overflows: such a request must be greedy, not a stream of NaN draws."""
+    request = greedy_request(PROMPTS[0], MAX_TOKENS, seed=5)
+    request.sampling_params.temperature = temperature
+    [result] = run_requests(target.address, [request])
+    assert result.token_ids == reference(PROMPTS[0])
+    assert result.text
+
+
 def test_bad_prompts_are_invalid_argument_and_the_next_request_works(target, reference):
     cases = [
         (generation_pb2.GenerateRequest(prompt=""), "prompt"),
@@ -100,6 +110,31 @@ def test_stop_strings_and_max_tokens(target, reference):
     assert stopped.finish_reason == "stop"
     assert stopped.text == full.text[: full.text.index(stop)]
     assert short.finish_reason == "length" and short.token_ids == full.token_ids[:3]
+
+
+def test_a_request_that_ends_on_its_prefill_token_ends_before_the_next_decode(target):
+    """Its last message must not wait for the step that decodes the requests already running."""
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(target.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            running: list[float] = []
+
+            async def read_running():
+                async for _ in stub.Generate(greedy_request(PROMPTS[1], 40, ignore_eos=True)):
+                    running.append(time.monotonic())
+
+            reader = asyncio.create_task(read_running())
+            while not running:
+                await asyncio.sleep(0.005)
+            short = await timed_responses(stub, greedy_request(PROMPTS[0], 1))
+            await reader
+            return short, running
+
+    short, running = asyncio.run(scenario())
+    (token_at, token), (ended_at, last) = short
+    assert len(token.token_ids) == 1 and last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert [t for t in running if token_at < t < ended_at] == [], "a decode step ran before the last message"
 
 
 def test_cancelled_stream_frees_the_sequence(target):
@@ -187,6 +222,34 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert refused == grpc.StatusCode.UNAVAILABLE
         assert len(tokens) == 40 and finish == generation_pb2.FINISH_REASON_LENGTH
+        assert service.process.wait(60) == 0
+    finally:
+        service.kill()
+
+
+def test_a_drain_aborts_waiting_requests_without_prefilling_them(tmp_path):
+    """One slot: a request waits behind a long one; past the grace period the drain aborts both."""
+    service = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--max-num-seqs", "1",
+                                                "--grace-seconds", "1"], log_path=tmp_path / "target.log")
+    service.start().wait_healthy()
+    try:
+        async def scenario():
+            async with grpc.aio.insecure_channel(service.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                running = stub.Generate(greedy_request(PROMPTS[1], 400, ignore_eos=True))
+                await running.read()
+                waiting = asyncio.create_task(timed_responses(stub, greedy_request(PROMPTS[0], 16)))
+                while metric(scrape(service.metrics_url), "tandem_num_requests_waiting") < 1:
+                    await asyncio.sleep(0.02)
+                service.process.send_signal(signal.SIGTERM)
+                while (response := await running.read()) is not grpc.aio.EOF:
+                    running_last = response
+                return running_last, [response for _, response in await waiting]
+
+        running_last, waiting = asyncio.run(scenario())
+        assert running_last.finish_reason == generation_pb2.FINISH_REASON_ABORT
+        assert [list(r.token_ids) for r in waiting] == [[]], "the drain prefilled a request it had aborted"
+        assert waiting[-1].finish_reason == generation_pb2.FINISH_REASON_ABORT
         assert service.process.wait(60) == 0
     finally:
         service.kill()
