@@ -68,10 +68,18 @@ class StepRunner:
     def prefill(self, items: list[PrefillItem]) -> list[int]:
         chunks = [SequenceChunk(slot=i.slot, start=0, token_ids=i.prompt_ids) for i in items]
         logits = self.model.run(chunks)  # [B, vocab]
-        options = [i.options for i in items]
-        probs = self._probs(logits, options)
-        positions = [len(i.prompt_ids) for i in items]
-        return sample(probs, self._seeds(options), self._long(positions)).tolist()
+        tokens = [0] * len(items)
+        greedy = [b for b, i in enumerate(items) if i.options.greedy]
+        sampled = [b for b, i in enumerate(items) if not i.options.greedy]
+        for b, token in zip(greedy, self._greedy_tokens(logits, greedy, len(items))):
+            tokens[b] = token
+        if sampled:
+            options = [items[b].options for b in sampled]
+            probs = self._probs(logits[self._long(sampled)], options)
+            positions = self._long([len(items[b].prompt_ids) for b in sampled])
+            for b, token in zip(sampled, sample(probs, self._seeds(options), positions).tolist()):
+                tokens[b] = token
+        return tokens
 
     @torch.inference_mode()
     def verify(self, items: list[VerifyItem]) -> list[Verified]:
@@ -85,17 +93,29 @@ class StepRunner:
             for i in items
         ]
         logits = self.model.run(chunks)  # [sum(k_i + 1), vocab]
-        row_options = [i.options for i in items for _ in range(i.num_drafts + 1)]
-        probs = self._probs(logits, row_options)
         results: list[Verified | None] = [None] * len(items)
-        invariant = [b for b, i in enumerate(items) if i.options.drafter_invariant]
-        standard = [b for b, i in enumerate(items) if not i.options.drafter_invariant]
+        greedy = [b for b, i in enumerate(items) if i.options.greedy]
+        rows = self._rows_of(items, greedy)
+        targets = iter(self._greedy_tokens(logits, rows, logits.shape[0]))
+        for b in greedy:
+            results[b] = verify_greedy(items[b].drafts.tokens if items[b].drafts else (),
+                                       [next(targets) for _ in range(items[b].num_drafts + 1)])
+        invariant = [b for b, i in enumerate(items) if not i.options.greedy and i.options.drafter_invariant]
+        standard = [b for b, i in enumerate(items) if not i.options.greedy and not i.options.drafter_invariant]
         for group, verify in ((standard, self._rejection), (invariant, self._invariant)):
             if group:
-                rows = self._rows_of(items, group)
-                for b, verified in zip(group, verify([items[b] for b in group], probs[rows])):
+                group_rows = self._long(self._rows_of(items, group))
+                probs = self._probs(logits[group_rows], [items[b].options for b in group for _ in
+                                                         range(items[b].num_drafts + 1)])
+                for b, verified in zip(group, verify([items[b] for b in group], probs)):
                     results[b] = verified
         return results
+
+    def _greedy_tokens(self, logits: torch.Tensor, rows: list[int], total: int) -> list[int]:
+        """argmax p of the given rows of logits: greedy rows skip building p altogether."""
+        if not rows:
+            return []
+        return self.model.greedy_tokens(logits if len(rows) == total else logits[self._long(rows)])
 
     def _rejection(self, items: list[VerifyItem], probs: torch.Tensor) -> list[Verified]:
         result = rejection_sample(
@@ -142,19 +162,29 @@ class StepRunner:
         merged = concat(parts)
         return CompressedProbs(merged.ids.to(self.device), merged.fixed.to(self.device))
 
-    def _rows_of(self, items: list[VerifyItem], group: list[int]) -> torch.Tensor:
+    def _rows_of(self, items: list[VerifyItem], group: list[int]) -> list[int]:
+        """The logits rows of the items in group: k + 1 per item."""
         starts, offset = [], 0
         for item in items:
             starts.append(offset)
             offset += item.num_drafts + 1
-        rows = [r for b in group for r in range(starts[b], starts[b] + items[b].num_drafts + 1)]
-        return self._long(rows)
+        return [r for b in group for r in range(starts[b], starts[b] + items[b].num_drafts + 1)]
 
     def _seeds(self, options: list[SamplingOptions]) -> torch.Tensor:
         return self._long([o.seed for o in options])
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def verify_greedy(drafts: tuple[int, ...], targets: list[int]) -> Verified:
+    """Greedy verification: accept drafts while each equals the target's argmax at its position,
+    then emit the argmax after the last accepted one (recovered or bonus token).
+    targets: argmax p at the k + 1 verified positions. Same rule as kernels.rejection's greedy rows."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return Verified(tokens=[*drafts[:accepted], targets[accepted]], num_accepted=accepted)
 
 
 def _unpack(tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[Verified]:

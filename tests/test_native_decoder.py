@@ -152,3 +152,19 @@ def test_tandem_native_0_turns_it_off(monkeypatch):
         assert native.load() is None
     finally:
         native.load.cache_clear()
+
+
+def test_argmax_is_torch_argmax_ties_and_nan_included(isa):
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(9, 1000, generator=gen)
+    rows[1, :] = 3.0  # all tied: the first index
+    rows[2, 17] = rows[2, 900] = 50.0  # a tie across vector lanes and the tail
+    rows[3, 999] = 60.0  # the maximum in the scalar tail
+    rows[4, :] = float("-inf")
+    rows[5, 40] = float("nan")  # NaN counts as the maximum, as in torch
+    rows[6, 998] = float("nan")
+    rows[7, 16] = rows[7, 0] = 70.0
+    rows[8, 5] = float("inf")
+    assert isa.argmax(rows) == rows.argmax(dim=1).tolist()
+    wide = torch.randn(3, 49152, generator=gen)
+    assert isa.argmax(wide[:, :49151]) == wide[:, :49151].argmax(dim=1).tolist()

@@ -104,6 +104,12 @@ class LlamaModel:
         """float32 logits [rows, head_rows] of normed hidden states [rows, hidden]."""
         return self.decoder.logits(hidden)
 
+    def greedy_tokens(self, logits: torch.Tensor) -> list[int]:
+        """The first argmax of each row of logits [rows, head_rows], as torch.argmax picks it."""
+        if self.native and logits.dtype == torch.float32 and logits.stride(1) == 1:
+            return self.decoder.library.argmax(logits)
+        return logits.argmax(dim=1).tolist()
+
     @torch.inference_mode()
     def final_hidden(self, batch) -> torch.Tensor:
         """The normed last hidden state [num_logits, hidden] that the lm_head reads."""

@@ -94,6 +94,9 @@ class Library:
         self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(PackedMatrix), ctypes.c_int,
                                ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         self._gemm.restype = None
+        self._argmax = lib.tandem_argmax
+        self._argmax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        self._argmax.restype = None
         self.features = lib.tandem_features()
 
     def forward(self, model: CModel, batch: CBatch) -> None:
@@ -106,6 +109,13 @@ class Library:
         self._gemm(x.data_ptr(), x.shape[0], ctypes.byref(matrix), int(bf16), y.data_ptr(), y.shape[1],
                    torch.get_num_threads())
         return y
+
+
+    def argmax(self, x: torch.Tensor) -> list[int]:
+        """torch.argmax(x, dim=1).tolist() for fp32 x [rows, cols] with unit column stride, ~20x faster."""
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+        return out.tolist()
 
 
 # ---- packing ------------------------------------------------------------------------------------

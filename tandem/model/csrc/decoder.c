@@ -175,7 +175,6 @@ static inline __attribute__((always_inline)) void attend_queries(
     int64_t last = 0;
     for (int q = 0; q < nq; q++) last = pos[q] > last ? pos[q] : last;
     int blocks = (int)(last / KEY_BLOCK) + 1, keys = blocks * KEY_BLOCK;
-    v16i lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16f top[nq];
     for (int q = 0; q < nq; q++) top[q] = v_splat(-INFINITY);
     for (int kb = 0; kb < blocks; kb++) {
@@ -187,7 +186,7 @@ static inline __attribute__((always_inline)) void attend_queries(
                              : v_load((const float*)k_cache + at + i * KEY_BLOCK);
             for (int q = 0; q < nq; q++) s[q] += v_splat(queries[q][i]) * k;
         }
-        v16i key = lane_index + kb * KEY_BLOCK;
+        v16i key = v16i_iota() + kb * KEY_BLOCK;
         for (int q = 0; q < nq; q++) {
             /* keys past a query's position are later tokens, or stale entries of rolled-back drafts */
             v16f masked = v_select(key > (int32_t)pos[q], v_splat(-INFINITY), s[q] * v_splat(scale));
@@ -475,4 +474,39 @@ int tandem_features(void) {
     features |= 4;
 #endif
     return features;
+}
+
+/* The index of the first maximum of each row of x [rows, cols] (fp32, rows ld apart), as
+   torch.argmax gives it, NaN counting as the maximum. The greedy path's only use of the logits. */
+static int64_t argmax_row(const float* row, int cols) {
+    v16f best = v_splat(-INFINITY);
+    v16i at = v_splat_i(-1), nan_seen = v_splat_i(0);
+    int c = 0;
+    for (; c + LANES <= cols; c += LANES) {
+        v16f v = v_load(row + c);
+        v16i better = v > best;
+        best = v_select(better, v, best);
+        at = (better & (v16i_iota() + c)) | (~better & at);
+        nan_seen |= v != v;
+    }
+    int64_t index = 0;  /* all -inf: torch says 0 */
+    float top = row[0];
+    int any_nan = 0;
+    for (int lane = 0; lane < LANES; lane++) {  /* the first index among the lanes' maxima */
+        any_nan |= nan_seen[lane];
+        if (at[lane] >= 0 && (best[lane] > top || (best[lane] == top && at[lane] < index)))
+            top = best[lane], index = at[lane];
+    }
+    for (; c < cols; c++) {
+        any_nan |= row[c] != row[c];
+        if (row[c] > top) top = row[c], index = c;
+    }
+    if (any_nan)
+        for (int i = 0; i < cols; i++)
+            if (row[i] != row[i]) return i;
+    return index;
+}
+
+void tandem_argmax(const float* x, int rows, int cols, int ld, int64_t* out) {
+    for (int r = 0; r < rows; r++) out[r] = argmax_row(x + (int64_t)r * ld, cols);
 }

@@ -13,6 +13,8 @@ typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
 
 static inline v16f v_load(const float* p) { v16f v; memcpy(&v, p, sizeof v); return v; }
 static inline void v_store(float* p, v16f v) { memcpy(p, &v, sizeof v); }
+static inline v16i v_splat_i(int32_t x) { return (v16i){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline v16i v16i_iota(void) { return (v16i){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 static inline v16f v_splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 /* bf16 <-> fp32. Rounding is to nearest even, as torch's .to(torch.bfloat16). */
