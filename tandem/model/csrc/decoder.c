@@ -21,7 +21,7 @@
 #include "pool.h"
 #include "vec.h"
 
-#define KEY_BLOCK 16     /* positions per K block: [head_dim, 16], so 16 scores are 16-lane FMAs */
+#define KEY_BLOCK 16     /* positions per K block: [head_dim, 16], so a block's scores are vector FMAs */
 
 typedef struct {
     const float* attn_norm;
@@ -88,10 +88,10 @@ static inline void put_input(const Model* m, void* gin, int row, int cols, const
 }
 
 static void rms_norm(const float* x, const float* weight, int n, float eps, float* out) {
-    v16f acc = v_splat(0.0f);
+    vf acc = v_splat(0.0f);
     int i = 0;
     for (; i + LANES <= n; i += LANES) {
-        v16f v = v_load(x + i);
+        vf v = v_load(x + i);
         acc += v * v;
     }
     float sum = v_sum(acc);
@@ -138,7 +138,7 @@ static inline void cache_put(const Model* m, void* cache, int64_t index, float v
     else ((float*)cache)[index] = value;
 }
 
-static inline v16f cache_load(const Model* m, const void* cache, int64_t index) {
+static inline vf cache_load(const Model* m, const void* cache, int64_t index) {
     return m->kv_bf16 ? v_load_bf16((const uint16_t*)cache + index) : v_load((const float*)cache + index);
 }
 
@@ -175,42 +175,45 @@ static inline __attribute__((always_inline)) void attend_queries(
     int64_t last = 0;
     for (int q = 0; q < nq; q++) last = pos[q] > last ? pos[q] : last;
     int blocks = (int)(last / KEY_BLOCK) + 1, keys = blocks * KEY_BLOCK;
-    v16f top[nq];
+    vf top[nq];
     for (int q = 0; q < nq; q++) top[q] = v_splat(-INFINITY);
     for (int kb = 0; kb < blocks; kb++) {
-        v16f s[nq];
-        for (int q = 0; q < nq; q++) s[q] = v_splat(0.0f);
-        int64_t at = (int64_t)kb * d * KEY_BLOCK;
-        for (int i = 0; i < d; i++) {
-            v16f k = kv_bf16 ? v_load_bf16((const uint16_t*)k_cache + at + i * KEY_BLOCK)
-                             : v_load((const float*)k_cache + at + i * KEY_BLOCK);
-            for (int q = 0; q < nq; q++) s[q] += v_splat(queries[q][i]) * k;
-        }
-        v16i key = v16i_iota() + kb * KEY_BLOCK;
-        for (int q = 0; q < nq; q++) {
-            /* keys past a query's position are later tokens, or stale entries of rolled-back drafts */
-            v16f masked = v_select(key > (int32_t)pos[q], v_splat(-INFINITY), s[q] * v_splat(scale));
-            top[q] = v_maxv(top[q], masked);
-            v_store(scores + (int64_t)q * keys + kb * KEY_BLOCK, masked);
+        for (int h = 0; h < KEY_BLOCK / LANES; h++) {  /* one vector of keys at a time */
+            vf s[nq];
+            for (int q = 0; q < nq; q++) s[q] = v_splat(0.0f);
+            int64_t at = (int64_t)kb * d * KEY_BLOCK + h * LANES;
+            for (int i = 0; i < d; i++) {
+                vf k = kv_bf16 ? v_load_bf16((const uint16_t*)k_cache + at + i * KEY_BLOCK)
+                               : v_load((const float*)k_cache + at + i * KEY_BLOCK);
+                for (int q = 0; q < nq; q++) s[q] += v_splat(queries[q][i]) * k;
+            }
+            int first_key = kb * KEY_BLOCK + h * LANES;
+            vi key = v_iota() + first_key;
+            for (int q = 0; q < nq; q++) {
+                /* keys past a query's position are later tokens, or stale entries of rolled-back drafts */
+                vf masked = v_select(key > (int32_t)pos[q], v_splat(-INFINITY), s[q] * v_splat(scale));
+                top[q] = v_maxv(top[q], masked);
+                v_store(scores + (int64_t)q * keys + first_key, masked);
+            }
         }
     }
     float inv[nq];
     for (int q = 0; q < nq; q++) {
         float* row = scores + (int64_t)q * keys;
-        v16f max = v_splat(v_max(top[q])), total = v_splat(0.0f);
+        vf max = v_splat(v_max(top[q])), total = v_splat(0.0f);
         for (int j = 0; j < keys; j += LANES) {
-            v16f e = v_exp(v_load(row + j) - max);
+            vf e = v_exp(v_load(row + j) - max);
             total += e;
             v_store(row + j, e);
         }
         inv[q] = 1.0f / v_sum(total);
     }
-    v16f acc[nq][d / LANES];
+    vf acc[nq][d / LANES];
     for (int q = 0; q < nq; q++)
         for (int c = 0; c < d / LANES; c++) acc[q][c] = v_splat(0.0f);
     for (int64_t j = 0; j <= last; j++) {
         for (int c = 0; c < d / LANES; c++) {
-            v16f v = kv_bf16 ? v_load_bf16((const uint16_t*)v_cache + j * d + c * LANES)
+            vf v = kv_bf16 ? v_load_bf16((const uint16_t*)v_cache + j * d + c * LANES)
                              : v_load((const float*)v_cache + j * d + c * LANES);
             for (int q = 0; q < nq; q++) acc[q][c] += v_splat(scores[(int64_t)q * keys + j]) * v;
         }
@@ -228,12 +231,17 @@ typedef void (*attend_fn)(const void*, const void*, const float* const*, const i
 #define ATTEND_TYPES(D, NQ) ATTEND(D, NQ, 0) ATTEND(D, NQ, 1)
 ATTEND_TYPES(64, 1) ATTEND_TYPES(64, 2) ATTEND_TYPES(64, 3) ATTEND_TYPES(64, 4) ATTEND_TYPES(64, 5)
 ATTEND_TYPES(64, 6) ATTEND_TYPES(128, 1) ATTEND_TYPES(128, 2) ATTEND_TYPES(128, 3)
-#define QUERIES_64 6
+#if defined(__AVX512F__)
+#define QUERIES_64 6      /* 6 x 4 accumulators: 24 of 32 zmm */
 #define QUERIES_128 3
-static const attend_fn attend_64[2][QUERIES_64 + 1] = {
+#else
+#define QUERIES_64 1      /* AVX2 has half the registers, each vf taking two */
+#define QUERIES_128 1
+#endif
+static const attend_fn attend_64[2][7] = {  /* [kv_bf16][queries] */
     {NULL, attend_64_1_0, attend_64_2_0, attend_64_3_0, attend_64_4_0, attend_64_5_0, attend_64_6_0},
     {NULL, attend_64_1_1, attend_64_2_1, attend_64_3_1, attend_64_4_1, attend_64_5_1, attend_64_6_1}};
-static const attend_fn attend_128[2][QUERIES_128 + 1] = {
+static const attend_fn attend_128[2][4] = {
     {NULL, attend_128_1_0, attend_128_2_0, attend_128_3_0}, {NULL, attend_128_1_1, attend_128_2_1, attend_128_3_1}};
 
 /* The most queries one attend call takes for this head_dim. */
@@ -340,7 +348,7 @@ static void silu_mul_phase(const Forward* f, const Layer* layer, int tid, int nt
         const float* up = gate + inter;
         int i = 0;
         for (; i + LANES <= inter; i += LANES) {
-            v16f g = v_load(gate + i);
+            vf g = v_load(gate + i);
             v_store(act + i, g / (v_splat(1.0f) + v_exp(-g)) * v_load(up + i));
         }
         for (; i < inter; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
@@ -479,14 +487,14 @@ int tandem_features(void) {
 /* The index of the first maximum of each row of x [rows, cols] (fp32, rows ld apart), as
    torch.argmax gives it, NaN counting as the maximum. The greedy path's only use of the logits. */
 static int64_t argmax_row(const float* row, int cols) {
-    v16f best = v_splat(-INFINITY);
-    v16i at = v_splat_i(-1), nan_seen = v_splat_i(0);
+    vf best = v_splat(-INFINITY);
+    vi at = v_splat_i(-1), nan_seen = v_splat_i(0);
     int c = 0;
     for (; c + LANES <= cols; c += LANES) {
-        v16f v = v_load(row + c);
-        v16i better = v > best;
+        vf v = v_load(row + c);
+        vi better = v > best;
         best = v_select(better, v, best);
-        at = (better & (v16i_iota() + c)) | (~better & at);
+        at = (better & (v_iota() + c)) | (~better & at);
         nan_seen |= v != v;
     }
     int64_t index = 0;  /* all -inf: torch says 0 */

@@ -19,54 +19,62 @@
 #endif
 
 #define PANEL 16
+/* Tiles of up to MAX_TILE_ROWS rows and one panel, or up to WIDE_TILE_ROWS rows and WIDE_PANELS
+   panels: accumulators, weights and a broadcast must fit the vector registers. */
 #if defined(__AVX512F__)
-#define WIDE_PANELS 4   /* panels per tile: 6 rows x 4 panels = 24 of 32 zmm as accumulators */
-#else
-#define WIDE_PANELS 1   /* AVX2: a v16f is two ymm; 6 x 1 x 2 = 12 of 16 ymm */
-#endif
+#define WIDE_PANELS 4     /* 6 rows x 4 panels = 24 of 32 zmm */
+#define WIDE_TILE_ROWS 6
 #define MAX_TILE_ROWS 6
+#else                     /* AVX2: a vf is two ymm, 16 ymm in all */
+#define WIDE_PANELS 2     /* 2 rows x 2 panels = 8 ymm; two weight streams for decoding */
+#define WIDE_TILE_ROWS 2
+#define MAX_TILE_ROWS 4   /* 4 rows x 1 panel = 8 ymm */
+#endif
 #define K_BLOCK 128     /* k (fp32) or k pairs (bf16) per block: a tile's panels stay in L1 */
 #define PREFETCH_ROWS 16
 
-static inline v16f load_acc(const float* y, int k0) { return k0 ? v_load(y) : v_splat(0.0f); }
+static inline vf load_acc(const float* y, int k0) { return k0 ? v_load(y) : v_splat(0.0f); }
 
 /* acc += x * w over one k (fp32) or one k pair (bf16). For bf16, x and w hold pairs of bf16 in
    each 32-bit lane, carried in float vectors as bits only. */
 #define FMA_f32(acc, xb, wv) ((acc) += (xb) * (wv))
 #if defined(__AVX512BF16__)
 #define FMA_bf16(acc, xb, wv) \
-    ((acc) = (v16f)_mm512_dpbf16_ps((__m512)(acc), (__m512bh)(xb), (__m512bh)(wv)))
+    ((acc) = (vf)_mm512_dpbf16_ps((__m512)(acc), (__m512bh)(xb), (__m512bh)(wv)))
 #else /* widen each half of the pair to fp32: the high half is a bf16 in place, the low one shifted up */
 #define FMA_bf16(acc, xb, wv) do {                                                                \
-        const v16u high_ = (v16u)(v16i){-65536, -65536, -65536, -65536, -65536, -65536, -65536, -65536, \
-                                        -65536, -65536, -65536, -65536, -65536, -65536, -65536, -65536}; \
-        (acc) += (v16f)((v16u)(xb) & high_) * (v16f)((v16u)(wv) & high_);                        \
-        (acc) += (v16f)((v16u)(xb) << 16) * (v16f)((v16u)(wv) << 16);                            \
+        const vu high_ = (vu)v_splat_i(-65536);                                                  \
+        (acc) += (vf)((vu)(xb) & high_) * (vf)((vu)(wv) & high_);                                \
+        (acc) += (vf)((vu)(xb) << 16) * (vf)((vu)(wv) << 16);                                    \
     } while (0)
 #endif
 
-/* y[MR rows, NP panels] (+)= x[MR, k0:k1] @ panels[k0:k1]; y's rows are ldy apart, x's ldx. */
+/* y[MR rows, NP panels] (+)= x[MR, k0:k1] @ panels[k0:k1]; y's rows are ldy apart, x's ldx.
+   A panel row is PANEL / LANES vectors: one zmm, or two ymm. */
+#define VECS (PANEL / LANES)
 #define DEFINE_TILE(KIND, MR, NP) DEFINE_TILE_(KIND, MR, NP)
 #define DEFINE_TILE_(KIND, MR, NP)                                                                \
 static inline __attribute__((always_inline)) void tile_##KIND##_##MR##_##NP(                      \
     const float* x, int ldx, const float* w, int64_t pstride, int k0, int k1, float* y, int ldy) { \
-    v16f acc[MR][NP];                                                                             \
+    vf acc[MR][NP * VECS];                                                                        \
     for (int r = 0; r < MR; r++)                                                                  \
-        for (int j = 0; j < NP; j++) acc[r][j] = load_acc(y + (int64_t)r * ldy + j * PANEL, k0);   \
+        for (int j = 0; j < NP * VECS; j++)                                                       \
+            acc[r][j] = load_acc(y + (int64_t)r * ldy + j / VECS * PANEL + j % VECS * LANES, k0);  \
     for (int k = k0; k < k1; k++) {                                                               \
-        v16f wv[NP];                                                                              \
+        vf wv[NP * VECS];                                                                         \
         for (int j = 0; j < NP; j++) {                                                            \
             const float* p = w + j * pstride + (int64_t)k * PANEL;                                \
             __builtin_prefetch(p + PREFETCH_ROWS * PANEL);                                        \
-            wv[j] = v_load(p);                                                                    \
+            for (int h = 0; h < VECS; h++) wv[j * VECS + h] = v_load(p + h * LANES);              \
         }                                                                                         \
         for (int r = 0; r < MR; r++) {                                                            \
-            v16f xb = v_splat(x[(int64_t)r * ldx + k]);                                           \
-            for (int j = 0; j < NP; j++) FMA_##KIND(acc[r][j], xb, wv[j]);                        \
+            vf xb = v_splat(x[(int64_t)r * ldx + k]);                                             \
+            for (int j = 0; j < NP * VECS; j++) FMA_##KIND(acc[r][j], xb, wv[j]);                 \
         }                                                                                         \
     }                                                                                             \
     for (int r = 0; r < MR; r++)                                                                  \
-        for (int j = 0; j < NP; j++) v_store(y + (int64_t)r * ldy + j * PANEL, acc[r][j]);         \
+        for (int j = 0; j < NP * VECS; j++)                                                       \
+            v_store(y + (int64_t)r * ldy + j / VECS * PANEL + j % VECS * LANES, acc[r][j]);       \
 }
 #define DEFINE_TILES(KIND, NP)                                                                    \
     DEFINE_TILE(KIND, 1, NP) DEFINE_TILE(KIND, 2, NP) DEFINE_TILE(KIND, 3, NP)                    \
@@ -98,8 +106,9 @@ static void gemm_##KIND##_range(const float* x, int M, int kdepth, const float* 
     int64_t pstride = (int64_t)kdepth * PANEL;                                                    \
     int tiles = (M + MAX_TILE_ROWS - 1) / MAX_TILE_ROWS;                                          \
     int kblock = tiles == 1 ? kdepth : K_BLOCK;                                                   \
+    int wide = M <= WIDE_TILE_ROWS || MAX_TILE_ROWS == WIDE_TILE_ROWS;                            \
     for (int p = p0; p < p1;) {                                                                   \
-        int np = p1 - p >= WIDE_PANELS ? WIDE_PANELS : 1;                                         \
+        int np = wide && p1 - p >= WIDE_PANELS ? WIDE_PANELS : 1;                                 \
         const float* wp = w + p * pstride;                                                        \
         for (int k0 = 0; k0 < kdepth; k0 += kblock) {                                             \
             int k1 = k0 + kblock < kdepth ? k0 + kblock : kdepth;                                 \
