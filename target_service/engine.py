@@ -20,7 +20,7 @@ from target_service.drafts import InvalidProposal, is_stale_mismatch, usable_dra
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from target_service.sequence import FinishReason, Output, SamplingOptions, Sequence
-from target_service.speculation import SpeculationPolicy
+from target_service.speculation import speculation_policy
 from target_service.step import PrefillItem, StepRunner, Verified, VerifyItem
 from target_service.stops import StopChecker
 from tandem.detokenizer import IncrementalDetokenizer
@@ -42,7 +42,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.sequences: dict[int, Sequence] = {}
-        self.policy = SpeculationPolicy(config)
+        self.policy = speculation_policy(config)
         self.link = None  # a DrafterLink, attached by the server when --drafter is set
         self._ids = itertools.count(1)
         self._work = asyncio.Event()
@@ -237,8 +237,8 @@ class Engine:
     async def _wait_for_drafts(self, decoding: list[Sequence]) -> None:
         """Wait a bounded time for sequences that have no usable draft yet.
 
-        A new request ends the wait at once, so that waiting for drafts never delays a prefill,
-        except in synchronous mode, whose point is to block as the pre-non-blocking design did.
+        A new request ends the wait at once when the policy says so, so that waiting for drafts
+        never delays a prefill (the synchronous baseline's point is to block).
         No wait when the step would verify no drafts even if every sequence had all it can use,
         nor while the drafter has left an update unanswered past its patience (hung or busy).
         """
@@ -257,7 +257,7 @@ class Engine:
             missing = any(self._awaits_drafts(s) for s in decoding)
             remaining = deadline - time.perf_counter()
             admissible = self.waiting and self._free_capacity() > 0
-            if not missing or remaining <= 0 or (admissible and not self.policy.sync):
+            if not missing or remaining <= 0 or (admissible and self.policy.admission_ends_wait):
                 return slept
             slept = True
             self._wake.clear()
@@ -289,11 +289,10 @@ class Engine:
     async def _publish(self, seqs: list[Sequence], outputs: list[Output]) -> None:
         """Tell the drafter about the committed tokens, and send them to the clients.
 
-        Asynchronous speculation sends at once. Synchronous speculation (the blocking baseline)
-        first waits for the drafts of the new prefixes, as before vLLM's non-blocking change.
+        The synchronous baseline first waits for the drafts of the new prefixes.
         """
         self._send_extends(seqs)
-        if self.policy.sync:
+        if self.policy.drafts_before_publish:
             await self._wait_for_drafts([s for s in seqs if s.finish is None])
         now = time.perf_counter()
         for seq, output in zip(seqs, outputs):
