@@ -58,8 +58,8 @@ class Sampling:
 
 
 @dataclass(slots=True)
-class Sequence:
-    """One sequence of one stream, as the target last described it."""
+class DraftSequence:
+    """The drafter's copy of one target sequence of one stream, as the target last described it."""
 
     key: SeqKey
     tokens: list[int]  # committed tokens, prompt included
@@ -72,7 +72,7 @@ class Sequence:
 class DraftJob:
     """One sequence to draft in a round: its committed prefix at the round's start."""
 
-    sequence: Sequence
+    sequence: DraftSequence
     tokens: list[int]  # a snapshot: the event loop may change sequence.tokens meanwhile
 
     @property

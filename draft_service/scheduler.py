@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from draft_service.drafter import Draft, Drafter, DraftJob, Sampling, Sequence, SeqKey
+from draft_service.drafter import Draft, Drafter, DraftJob, DraftSequence, Sampling, SeqKey
 from draft_service.metrics import DraftMetrics
 from tandem.v1 import drafter_pb2
 
@@ -43,7 +43,7 @@ class Stream:
     """One Speculate stream (one target): its sequences, and the messages waiting to be sent."""
 
     id: int
-    sequences: dict[int, Sequence] = field(default_factory=dict)
+    sequences: dict[int, DraftSequence] = field(default_factory=dict)
     # Sequences whose Open was refused: their later Extends and Close are dropped without a count.
     refused: set[int] = field(default_factory=set)
     # Empty proposals for refused sequences, sent when the update that asked is applied.
@@ -78,7 +78,7 @@ class DraftScheduler:
         self._streams: dict[int, Stream] = {}
         self._stream_ids = itertools.count(1)
         self._num_sequences = 0
-        self._dirty: dict[SeqKey, Sequence] = {}
+        self._dirty: dict[SeqKey, DraftSequence] = {}
         self._slot_ops: list[SlotOp] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -145,7 +145,7 @@ class DraftScheduler:
             stream.undrafted.append(nothing_for(msg.seq_id, len(msg.prompt_ids)))
             raise
         stream.refused.discard(msg.seq_id)
-        sequence = Sequence((stream.id, msg.seq_id), list(msg.prompt_ids), sampling, msg.k)
+        sequence = DraftSequence((stream.id, msg.seq_id), list(msg.prompt_ids), sampling, msg.k)
         stream.sequences[msg.seq_id] = sequence
         self._num_sequences += 1
         self._metrics.sequences.inc()
@@ -194,14 +194,14 @@ class DraftScheduler:
             del stream.sequences[msg.seq_id]
             self._release(sequence)
 
-    def _find(self, stream: Stream, seq_id: int) -> Sequence | None:
+    def _find(self, stream: Stream, seq_id: int) -> DraftSequence | None:
         """The open sequence, None for a refused one; InvalidUpdate for an id never opened."""
         sequence = stream.sequences.get(seq_id)
         if sequence is None and seq_id not in stream.refused:
             raise InvalidUpdate("unknown_seq", "no such open sequence on this stream")
         return sequence
 
-    def _release(self, sequence: Sequence) -> None:
+    def _release(self, sequence: DraftSequence) -> None:
         sequence.closed = True
         self._dirty.pop(sequence.key, None)
         self._slot_ops.append(SlotOp(sequence.key, opening=False))

@@ -12,6 +12,7 @@ import logging
 
 import grpc
 
+from target_service.draft_tracker import DraftTracker
 from target_service.metrics import TargetMetrics
 from tandem.grpc_server import channel_options
 from tandem.tls import ClientTls
@@ -33,11 +34,11 @@ class DrafterStalled(Exception):
 
 
 class DrafterLink:
-    def __init__(self, address: str, engine, metrics: TargetMetrics, *, vocab_size: int,
+    def __init__(self, address: str, tracker: DraftTracker, metrics: TargetMetrics, *, vocab_size: int,
                  tokenizer_fingerprint: str, reconnect_max_seconds: float, max_message_bytes: int,
                  tls: ClientTls | None = None, max_pending_updates: int = MAX_PENDING_UPDATES):
         self.address = address
-        self.engine = engine
+        self.tracker = tracker  # hears every proposal, and reopens the running sequences on each connect
         self.metrics = metrics
         self.vocab_size = vocab_size
         self.tokenizer_fingerprint = tokenizer_fingerprint
@@ -111,11 +112,11 @@ class DrafterLink:
             self._stalled = False
             self._set_connected(True)
             log.info("drafter connected: %s (%s, k <= %d) at %s", info.model, info.kind, info.max_k, self.address)
-            self._queue.put_nowait(self.engine.reopen_all())
+            self._queue.put_nowait(self.tracker.reopen_all())
             self._call = call = stub.Speculate(self._updates())
             try:
                 async for message in call:
-                    self.engine.on_proposals(message, message.ByteSize())
+                    self.tracker.on_proposals(message, message.ByteSize())
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if not self._stalled or getattr(task, "cancelling", lambda: 0)():  # link.stop() wins

@@ -1,11 +1,21 @@
-"""Draft proposals: validated on arrival, salvaged or dropped when stale, trimmed to what a step can use."""
+"""Draft proposals: validated on arrival, then matched against the committed tokens, salvaged when stale."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kernels.compression import CompressedProbs, InvalidDraftProbs, unpack
-from target_service.sequence import Proposal, Sequence
+from target_service.sequence import Sequence
 from tandem.v1 import drafter_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """Validated drafts: tokens[i] is a guess for position base_len + i."""
+
+    base_len: int
+    tokens: tuple[int, ...]
+    probs: CompressedProbs | None  # [len(tokens), K] q' rows; None when ids suffice
+    received_at: float
 
 
 class InvalidProposal(ValueError):
@@ -51,39 +61,46 @@ class UsableDrafts:
     probs: CompressedProbs | None
     salvaged: bool  # drafted from an older prefix that the committed tokens matched
 
+    def first(self, limit: int) -> UsableDrafts | None:
+        """The first `limit` of these drafts; None for none."""
+        if limit <= 0:
+            return None
+        if limit >= len(self.tokens):
+            return self
+        return UsableDrafts(self.tokens[:limit], _rows(self.probs, slice(0, limit)), self.salvaged)
 
-def usable_drafts(seq: Sequence, limit: int) -> UsableDrafts | None:
-    """The drafts that continue the committed tokens, at most `limit`; None when there are none.
+
+@dataclass(frozen=True, slots=True)
+class ProposalMatch:
+    """How a proposal meets a sequence's committed tokens."""
+
+    drafts: UsableDrafts | None  # the drafts that continue them; None for none
+    contradicted: bool  # drafted from an older prefix that the committed tokens contradict: never usable
+
+
+NO_MATCH = ProposalMatch(drafts=None, contradicted=False)
+
+
+def match_proposal(proposal: Proposal, token_ids: list[int], limit: int) -> ProposalMatch:
+    """The proposal's drafts that continue the committed tokens, at most `limit`.
 
     A proposal drafted from an older prefix is still valid where the committed tokens since then
-    equal its first drafts: each draft was drawn given the ones before it (docs/design.md, Stale drafts and salvage).
+    equal its first drafts: each draft was drawn given the ones before it (docs/design.md, Stale
+    drafts and salvage). Committed tokens that match every draft and go past them (all accepted,
+    then the bonus token) used the proposal up: no drafts left, but no contradiction either.
+    base_len never exceeds the committed length: validation checks it, and sequences only grow.
     """
-    proposal = seq.proposal
-    if proposal is None or limit <= 0:
-        return None
-    committed = len(seq.token_ids)
-    skip = committed - proposal.base_len
-    if skip < 0 or tuple(seq.token_ids[proposal.base_len:]) != proposal.tokens[:skip]:
-        return None
-    tokens = proposal.tokens[skip : skip + limit]
+    skip = len(token_ids) - proposal.base_len
+    since = tuple(token_ids[proposal.base_len:])
+    overlap = min(skip, len(proposal.tokens))
+    if since[:overlap] != proposal.tokens[:overlap]:
+        return ProposalMatch(drafts=None, contradicted=True)
+    tokens = proposal.tokens[skip : skip + max(limit, 0)]
     if not tokens:
-        return None
-    probs = None
-    if proposal.probs is not None:
-        rows = slice(skip, skip + len(tokens))
-        probs = CompressedProbs(proposal.probs.ids[rows], proposal.probs.fixed[rows])
-    return UsableDrafts(tokens=tokens, probs=probs, salvaged=skip > 0)
+        return NO_MATCH
+    drafts = UsableDrafts(tokens, _rows(proposal.probs, slice(skip, skip + len(tokens))), salvaged=skip > 0)
+    return ProposalMatch(drafts=drafts, contradicted=False)
 
 
-def is_stale_mismatch(seq: Sequence) -> bool:
-    """The stored proposal was drafted from an older prefix that the committed tokens contradict.
-
-    Committed tokens that match every draft and go past them (all accepted, then the bonus token)
-    used the proposal up: that is no contradiction.
-    """
-    proposal = seq.proposal
-    if proposal is None:
-        return False
-    since = tuple(seq.token_ids[proposal.base_len:])
-    overlap = min(len(since), len(proposal.tokens))
-    return since[:overlap] != proposal.tokens[:overlap]
+def _rows(probs: CompressedProbs | None, rows: slice) -> CompressedProbs | None:
+    return None if probs is None else CompressedProbs(probs.ids[rows], probs.fixed[rows])

@@ -1,11 +1,12 @@
-"""A request's state while the target serves it: tokens, KV slot, drafts, output stream."""
+"""A request's state while the target serves it: tokens, KV slot, usage, output stream.
+
+What the drafter knows of it, and proposed for it, is the DraftTracker's (draft_tracker.py)."""
 from __future__ import annotations
 
 import asyncio
 import enum
 from dataclasses import dataclass, field
 
-from kernels.compression import CompressedProbs
 from tandem.detokenizer import IncrementalDetokenizer
 from target_service.stops import StopChecker
 
@@ -38,16 +39,6 @@ class SamplingOptions:
         return not self.greedy and not self.drafter_invariant
 
 
-@dataclass(frozen=True, slots=True)
-class Proposal:
-    """Validated drafts: tokens[i] is a guess for position base_len + i."""
-
-    base_len: int
-    tokens: tuple[int, ...]
-    probs: CompressedProbs | None  # [len(tokens), K] q' rows; None when ids suffice
-    received_at: float
-
-
 class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -76,11 +67,7 @@ class Sequence:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     token_ids: list[int] = field(default_factory=list)  # prompt + committed
     slot: int | None = None
-    proposal: Proposal | None = None
-    drafter_len: int = 0  # committed tokens the drafter has been told about
-    drafter_sent_at: float | None = None  # when the drafter was last told, for the draft RTT
-    drafter_answered_len: int = 0  # the last prefix length the drafter answered, drafts or none
-    draft_tokens: int = 0
+    draft_tokens: int = 0  # usage: drafts verified, in how many steps, and how many were committed
     draft_steps: int = 0
     accepted_tokens: int = 0
     admitted_at: float | None = None

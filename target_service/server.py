@@ -13,6 +13,7 @@ from target_service.engine import Engine
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from target_service.sequence import FinishReason, Output, Sequence
+from target_service.step import StepRunner
 from target_service.validation import UndecodableRequests, validate_request
 from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
 from tandem.runtime import LoadedModel, load_model
@@ -71,7 +72,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return response
 
     async def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:
-        link = self.engine.link
+        link = self.engine.tracker.link
         connected = link is not None and link.connected
         model = self.loaded.model
         return generation_pb2.ModelInfo(
@@ -93,16 +94,19 @@ async def serve(config: TargetConfig) -> None:
         num_slots=config.max_num_seqs, max_model_len=config.max_model_len,
     )
     metrics = TargetMetrics(loaded.name)
-    engine = Engine(loaded, config, metrics)
+    engine = Engine(StepRunner(loaded.model), loaded.model.kv_cache, loaded.tokenizer, loaded.config.vocab_size,
+                    config, metrics)
     await asyncio.to_thread(engine.runner.warm_up)
+    link = None
     if config.drafter:
-        engine.link = DrafterLink(
-            config.drafter, engine, metrics, vocab_size=loaded.config.vocab_size,
+        link = DrafterLink(
+            config.drafter, engine.tracker, metrics, vocab_size=loaded.config.vocab_size,
             tokenizer_fingerprint=loaded.tokenizer.fingerprint,
             reconnect_max_seconds=config.reconnect_max_seconds, max_message_bytes=config.max_message_bytes,
             tls=config.drafter_link_tls(),
         )
-        engine.link.start()
+        engine.tracker.link = link
+        link.start()
     engine.start()
     servicer = GenerationServicer(engine, loaded, config)
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
@@ -120,6 +124,6 @@ async def serve(config: TargetConfig) -> None:
     try:
         await serve_until_signal(running, config.grace_seconds, engine.drain)
     finally:
-        if engine.link is not None:
-            await engine.link.stop()
+        if link is not None:
+            await link.stop()
         await engine.stop()

@@ -1,4 +1,6 @@
-"""How long a step may wait for drafts, and how many it verifies: only as many as pay for themselves."""
+"""How long a step may wait for drafts, and how many it verifies: only as many as pay for themselves.
+
+SyncPolicy is the blocking baseline that benchmarks compare against (--sync-speculation)."""
 from __future__ import annotations
 
 from target_service.config import TargetConfig
@@ -27,9 +29,11 @@ class SpeculationPolicy:
     for longer than its patience (a few round trips, and at least the longest wait), it is taken
     as hung or busy: steps stop waiting for it until it answers again."""
 
+    admission_ends_wait = True  # a request to admit ends a wait for drafts: waiting never delays a prefill
+    drafts_before_publish = False  # committed tokens go to clients at once, without waiting for the next drafts
+
     def __init__(self, config: TargetConfig):
         self.max_wait = config.draft_wait_ms / 1000.0
-        self.sync = config.sync_speculation
         self.mean_accepted = 1.0  # optimistic until measured, so that a new drafter gets a chance
         self.mean_step = self.max_wait
         self.mean_rtt = 0.0  # update sent -> proposal received; optimistic until measured
@@ -95,11 +99,8 @@ class SpeculationPolicy:
         One step in _EXPLORE_EVERY verifies one draft per sequence fewer than the best k, or one
         when the best is none: steps of one size would leave the cost per token unmeasured, and
         verifying none, alpha, so a costlier batch or a better drafter would go unnoticed.
-        Synchronous speculation, the blocking baseline, verifies everything.
         """
         most = max(available, default=0)
-        if self.sync:
-            return most
         alpha, (fixed, per_token) = self.alpha, self.cost_model()
         tokens, expected = batch_size, float(batch_size)
         best, best_rate = 0, expected / (fixed + per_token * tokens)
@@ -115,14 +116,17 @@ class SpeculationPolicy:
         return best
 
     def wait_bound(self) -> float:
-        if self.sync:
-            return _SYNC_WAIT
         bound = min(self.max_wait, self.mean_accepted * self.mean_step)
         return bound if self.mean_rtt <= bound else 0.0
 
+    @property
+    def longest_wait(self) -> float:
+        """No wait bound exceeds this."""
+        return self.max_wait
+
     def patience(self) -> float:
         """How long the drafter may leave an update unanswered before steps stop waiting for it."""
-        return max(_PATIENCE_RTTS * self.mean_rtt, _SYNC_WAIT if self.sync else self.max_wait)
+        return max(_PATIENCE_RTTS * self.mean_rtt, self.longest_wait)
 
     def wait_deadline(self, now: float) -> float:
         """When a step that starts waiting for drafts now stops: after the bound, or when patience runs out."""
@@ -130,3 +134,28 @@ class SpeculationPolicy:
         if self._unanswered_since is not None:
             deadline = min(deadline, self._unanswered_since + self.patience())
         return deadline
+
+
+class SyncPolicy(SpeculationPolicy):
+    """Synchronous speculation, the blocking design from before vLLM's non-blocking change: every
+    step waits for its drafts (up to _SYNC_WAIT), even with
+    a request to admit, verifies every usable draft whatever it costs, and after committing waits
+    for the drafts of the new prefixes before the tokens go to the clients."""
+
+    admission_ends_wait = False
+    drafts_before_publish = True
+
+    def draft_limit(self, batch_size: int, available: list[int]) -> int:
+        return max(available, default=0)
+
+    def wait_bound(self) -> float:
+        return _SYNC_WAIT
+
+    @property
+    def longest_wait(self) -> float:
+        return _SYNC_WAIT
+
+
+def speculation_policy(config: TargetConfig) -> SpeculationPolicy:
+    """The policy that --sync-speculation asks for."""
+    return SyncPolicy(config) if config.sync_speculation else SpeculationPolicy(config)

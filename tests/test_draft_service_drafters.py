@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from draft_service.drafter import DraftJob, Sampling, Sequence
+from draft_service.drafter import DraftJob, DraftSequence, Sampling
 from draft_service.metrics import DraftMetrics
 from draft_service.model_drafter import ModelDrafter
 from draft_service.ngram_drafter import NgramDrafter, lookup
@@ -53,13 +53,13 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _open(drafter, seq_id: int, prompt: list[int], k: int = 4, sampling: Sampling = Sampling()) -> Sequence:
-    sequence = Sequence((1, seq_id), list(prompt), sampling, k)
+def _open(drafter, seq_id: int, prompt: list[int], k: int = 4, sampling: Sampling = Sampling()) -> DraftSequence:
+    sequence = DraftSequence((1, seq_id), list(prompt), sampling, k)
     drafter.open(sequence.key)
     return sequence
 
 
-def _draft_one(drafter, sequence: Sequence):
+def _draft_one(drafter, sequence: DraftSequence):
     [draft] = drafter.draft([DraftJob(sequence, list(sequence.tokens))])
     assert draft.key == sequence.key and draft.base_len == len(sequence.tokens)
     return draft
@@ -218,9 +218,9 @@ def test_ngram_lookup(tokens, k, min_n, expected):
 def test_ngram_drafter_sends_a_point_mass_only_when_sampling():
     drafter = NgramDrafter(1, 4)
     tokens = [10, 11, 12, 13, 14, 30, 10, 11]
-    greedy = Sequence((1, 1), tokens, Sampling(), 3)
-    sampled = Sequence((1, 2), tokens, SAMPLED, 3)
-    nothing = Sequence((1, 3), [1, 2, 3], SAMPLED, 3)
+    greedy = DraftSequence((1, 1), tokens, Sampling(), 3)
+    sampled = DraftSequence((1, 2), tokens, SAMPLED, 3)
+    nothing = DraftSequence((1, 3), [1, 2, 3], SAMPLED, 3)
     drafts = drafter.draft([DraftJob(s, list(s.tokens)) for s in (greedy, sampled, nothing)])
     assert [d.key for d in drafts] == [greedy.key, sampled.key, nothing.key]
     assert drafts[0].token_ids == drafts[1].token_ids == [12, 13, 14]

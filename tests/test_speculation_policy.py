@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from target_service.config import TargetConfig
-from target_service.speculation import SpeculationPolicy
+from target_service.speculation import SpeculationPolicy, speculation_policy
 
 
 def _policy(draft_wait_ms: float, sync: bool = False) -> SpeculationPolicy:
-    policy = SpeculationPolicy(TargetConfig(draft_wait_ms=draft_wait_ms, sync_speculation=sync))
+    policy = speculation_policy(TargetConfig(draft_wait_ms=draft_wait_ms, sync_speculation=sync))
     for _ in range(200):  # long enough for the moving averages to settle
         policy.observe_step(1, 0.040)
         policy.observe_verify(2, 4)
@@ -71,7 +71,7 @@ def test_patience_grows_with_the_drafter_round_trip():
 def _fitted(fixed: float, per_token: float, alpha: float, sync: bool = False) -> SpeculationPolicy:
     """A policy that has seen steps of several sizes cost fixed + per_token * n, and drafts accepted
     at a rate alpha (ten verifications of one draft, alpha * 10 of them accepted, repeated)."""
-    policy = SpeculationPolicy(TargetConfig(sync_speculation=sync))
+    policy = speculation_policy(TargetConfig(sync_speculation=sync))
     for step in range(400):
         n = (1, 4, 16, 48)[step % 4]
         policy.observe_step(n, fixed + per_token * n)

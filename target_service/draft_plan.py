@@ -1,0 +1,67 @@
+"""A step's draft plan: the drafts each running sequence verifies, decided once per step.
+
+DraftTracker.plan matches each sequence's proposals once and cuts them to the sequence's cap;
+DraftTracker.take cuts them to the step's budget. The runner, the wait, the step's metrics and the
+usage accounting all read the plan; nothing matches drafts again later in the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from target_service.drafts import UsableDrafts
+from target_service.sequence import Sequence
+from target_service.step import VerifyItem
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedDrafts:
+    """One running sequence's part of the plan."""
+
+    seq: Sequence
+    cap: int  # the most drafts it can verify: its k, the tokens it may still add, its KV room; 0 if not speculating
+    drafts: UsableDrafts | None  # matched, at most the cap, and once taken at most the budget
+    contradicted: bool  # its proposal was drafted from a prefix that the committed tokens contradict
+    awaiting: bool  # it can verify drafts, has none, and the drafter has not answered its prefix yet
+
+    @property
+    def num_drafts(self) -> int:
+        return 0 if self.drafts is None else len(self.drafts.tokens)
+
+    def verify_item(self) -> VerifyItem:
+        seq = self.seq
+        return VerifyItem(slot=seq.slot, length=len(seq.token_ids), last_token=seq.token_ids[-1],
+                          drafts=self.drafts, options=seq.options)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPlan:
+    entries: tuple[PlannedDrafts, ...]
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [e.seq for e in self.entries]
+
+    @property
+    def caps(self) -> list[int]:
+        return [e.cap for e in self.entries]
+
+    @property
+    def available(self) -> list[int]:
+        """The drafts each sequence has in hand, up to its cap."""
+        return [e.num_drafts for e in self.entries]
+
+    @property
+    def awaiting(self) -> bool:
+        return any(e.awaiting for e in self.entries)
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the step's forward pass: each sequence's last token and its drafts."""
+        return sum(1 + e.num_drafts for e in self.entries)
+
+    def within(self, budget: int) -> DraftPlan:
+        """The same plan with at most `budget` drafts per sequence."""
+        return DraftPlan(tuple(replace(e, drafts=e.drafts.first(budget)) if e.drafts else e for e in self.entries))
+
+    def verify_items(self) -> list[VerifyItem]:
+        return [e.verify_item() for e in self.entries]

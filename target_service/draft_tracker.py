@@ -1,0 +1,199 @@
+"""The target's side of the drafter protocol, and each step's draft plan.
+
+For every running sequence the tracker keeps what the drafter was told (Open, then Extends), what
+it answered, and its proposals. The engine calls admit, plan, take, extend and release; the
+drafter link calls on_proposals and reopen_all. All of it runs on the event loop.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from target_service.draft_messages import extend_message, open_message
+from target_service.draft_plan import DraftPlan, PlannedDrafts
+from target_service.drafts import NO_MATCH, InvalidProposal, Proposal, ProposalMatch, match_proposal, validate_proposal
+from target_service.metrics import TargetMetrics
+from target_service.sequence import Sequence
+from target_service.speculation import SpeculationPolicy
+from tandem.v1 import drafter_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DrafterState:
+    """What the drafter knows of one sequence, and what it proposed for it.
+
+    keep, match, drop_contradicted and forget are the proposals' only way in and out, so that
+    keeping several proposals per sequence (a speculation cache) changes this class alone.
+    """
+
+    seq: Sequence
+    told_len: int = 0  # committed tokens the drafter has been told about; 0: not open on this stream
+    told_at: float | None = None  # when it was last told, for the draft round trip
+    answered_len: int = 0  # the last prefix length the drafter answered, with drafts or none
+    proposal: Proposal | None = None  # the newest valid one
+
+    def keep(self, proposal: Proposal) -> None:
+        self.proposal = proposal
+
+    def match(self, limit: int) -> ProposalMatch:
+        """The drafts that continue the committed tokens, at most `limit`."""
+        if self.proposal is None:
+            return NO_MATCH
+        return match_proposal(self.proposal, self.seq.token_ids, limit)
+
+    def drop_contradicted(self) -> None:
+        self.proposal = None
+
+    def forget(self) -> None:
+        """A new stream: nothing was told or proposed on it yet."""
+        self.told_len = 0
+        self.proposal = None
+
+
+class DraftTracker:
+    """Each running sequence's drafter state, the messages that keep the drafter in step, and the plans."""
+
+    def __init__(self, policy: SpeculationPolicy, metrics: TargetMetrics, *, vocab_size: int, max_len: int,
+                 wake: Callable[[], None]):
+        self.policy = policy
+        self.metrics = metrics
+        self.vocab_size = vocab_size
+        self.max_len = max_len  # of the KV cache: no draft may run past it
+        self.wake = wake  # called when proposals arrive, to end a wait for them
+        self.link = None  # a DrafterLink, attached by the server when --drafter is set
+        self._states: dict[int, DrafterState] = {}  # by seq_id, in admission order
+
+    @property
+    def connected(self) -> bool:
+        return self.link is not None and self.link.connected
+
+    # ---- the engine's verbs -----------------------------------------------------------------
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Track newly admitted sequences, and open the speculating ones on the drafter.
+
+        Called before their prefill, so that the drafter's prefill runs beside it.
+        """
+        for seq in seqs:
+            self._states[seq.seq_id] = DrafterState(seq)
+        self._send(opens=[self._open(self._states[seq.seq_id]) for seq in seqs if self._speculates(seq)])
+
+    def plan(self, seqs: list[Sequence]) -> DraftPlan:
+        """Each sequence's drafts, matched once and cut to its cap; no metrics yet, so it may be redone."""
+        return DraftPlan(tuple(self._planned(self._states[seq.seq_id]) for seq in seqs))
+
+    def take(self, plan: DraftPlan, budget: int) -> DraftPlan:
+        """The drafts the step verifies: at most `budget` per sequence. Counts misses and stale proposals.
+
+        A sequence with no draft is a miss; one that the budget held to none is not. A proposal
+        that the committed tokens contradict is dropped.
+        """
+        m = self.metrics
+        for entry in plan.entries:
+            if entry.cap == 0:
+                continue
+            if entry.drafts is None:
+                m.draft_miss.inc()
+                if entry.contradicted:
+                    m.child(m.draft_stale, outcome="dropped").inc()
+                    self._states[entry.seq.seq_id].drop_contradicted()
+            elif budget > 0 and entry.drafts.salvaged:
+                m.child(m.draft_stale, outcome="salvaged").inc()
+        return plan.within(budget)
+
+    def extend(self, seqs: list[Sequence]) -> None:
+        """Tell the drafter the tokens these sequences committed, in one update."""
+        now = time.perf_counter()
+        extends = []
+        for seq in [s for s in seqs if s.finish is None]:
+            state = self._states[seq.seq_id]
+            if state.told_len and len(seq.token_ids) > state.told_len:
+                extends.append(extend_message(seq, state.told_len))
+                state.told_len, state.told_at = len(seq.token_ids), now
+        self._send(extends=extends)
+
+    def release(self, seq: Sequence) -> None:
+        """Forget the sequence, and close it on the drafter if this stream opened it."""
+        state = self._states.pop(seq.seq_id, None)
+        if state is not None and state.told_len:
+            self._send(closes=[drafter_pb2.SequenceClose(seq_id=seq.seq_id)])
+
+    # ---- the link's verbs -------------------------------------------------------------------
+
+    def reopen_all(self) -> drafter_pb2.TargetUpdate:
+        """After a (re)connect: every running sequence, opened with its committed tokens.
+
+        The new stream knows only the sequences opened on it, so the others (finished ones not yet
+        released) must send it no Extend or Close.
+        """
+        for state in self._states.values():
+            state.forget()
+        return drafter_pb2.TargetUpdate(opens=[self._open(state) for state in self._states.values()
+                                               if state.seq.finish is None and self._speculates(state.seq)])
+
+    def on_proposals(self, message: drafter_pb2.DraftProposals, wire_bytes: int) -> None:
+        """Called on the event loop by the drafter link for every message it receives."""
+        now = time.perf_counter()
+        self.metrics.draft_wire_bytes.inc(wire_bytes)
+        self.policy.observe_answer()
+        for msg in message.proposals:
+            state = self._states.get(msg.seq_id)
+            if state is None or state.seq.finish is not None:
+                continue  # closed meanwhile: not the drafter's fault
+            self._receive(state, msg, now)
+        self.wake()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _speculates(self, seq: Sequence) -> bool:
+        return seq.options.speculate and seq.options.num_speculative_tokens > 0 and self.connected
+
+    def _cap(self, seq: Sequence) -> int:
+        """The most drafts this sequence can verify: its k, the tokens it may still add, the cache."""
+        if not self._speculates(seq):
+            return 0
+        return max(0, min(seq.options.num_speculative_tokens, seq.remaining_tokens - 1,
+                          self.max_len - len(seq.token_ids)))
+
+    def _planned(self, state: DrafterState) -> PlannedDrafts:
+        seq = state.seq
+        cap = self._cap(seq)
+        match = state.match(cap)
+        awaiting = cap > 0 and match.drafts is None and state.answered_len != len(seq.token_ids)
+        return PlannedDrafts(seq=seq, cap=cap, drafts=match.drafts, contradicted=match.contradicted,
+                             awaiting=awaiting)
+
+    def _receive(self, state: DrafterState, msg: drafter_pb2.DraftProposal, now: float) -> None:
+        """Note the answer; keep the proposal if it is valid, count it by reason if not."""
+        seq = state.seq
+        state.answered_len = max(state.answered_len, min(msg.base_len, len(seq.token_ids)))
+        if not msg.token_ids:
+            return  # nothing for this prefix
+        try:
+            proposal = validate_proposal(msg, seq, self.vocab_size, self.link.max_k, self.link.probs_top_k, now)
+        except InvalidProposal as err:
+            self.metrics.child(self.metrics.draft_rejected, reason=err.reason).inc()
+            log.debug("dropped a proposal for %s: %s", seq.request_id, err)
+            return
+        if proposal.base_len == state.told_len and state.told_at is not None:
+            self.metrics.draft_rtt.observe(now - state.told_at)
+            self.policy.observe_draft_rtt(now - state.told_at)
+        state.keep(proposal)
+
+    def _open(self, state: DrafterState) -> drafter_pb2.SequenceOpen:
+        seq = state.seq
+        state.told_len, state.told_at = len(seq.token_ids), time.perf_counter()
+        return open_message(seq, min(seq.options.num_speculative_tokens, self.link.max_k))
+
+    def _send(self, opens: Collection[drafter_pb2.SequenceOpen] = (),
+              extends: Collection[drafter_pb2.SequenceExtend] = (),
+              closes: Collection[drafter_pb2.SequenceClose] = ()) -> None:
+        if not self.connected or not (opens or extends or closes):
+            return
+        if opens or extends:  # the drafter answers these, not Closes
+            self.policy.observe_update_sent(time.perf_counter())
+        self.link.send(drafter_pb2.TargetUpdate(opens=opens, extends=extends, closes=closes))
