@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tandem.model.batch import SequenceChunk
+from tandem.model.kv_cache import KVCache
 from tandem.model.llama import build_model
 from tandem.model.random_weights import SHAPES, random_weights
 
@@ -66,3 +67,50 @@ def test_rollback_then_decode_equals_never_having_seen_rejected_tokens(model):
 def test_chunk_past_the_cache_is_refused(model):
     with pytest.raises(ValueError, match="cache holds 128"):
         model.run([SequenceChunk(slot=0, start=120, token_ids=_tokens(9, 7))])
+
+
+def _positions(cache: KVCache, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one slot as [heads, positions, head_dim], whatever the K layout."""
+    k, v = cache.k[layer][slot], cache.v[layer][slot]
+    if cache.key_block is not None:  # [heads, blocks, head_dim, block] -> [heads, positions, head_dim]
+        k = k.permute(0, 1, 3, 2).reshape(k.shape[0], -1, k.shape[2])
+    return k, v
+
+
+@pytest.mark.parametrize("key_block", [None, 4], ids=["plain", "blocked"])
+@pytest.mark.parametrize("start, end", [(0, 13), (0, 0), (3, 10), (5, 17), (8, 16), (2, 3), (0, 20)])
+def test_copy_positions_copies_exactly_that_range(key_block, start, end):
+    config = SHAPES["tiny"]
+    cache = KVCache(config, num_slots=3, max_len=20, dtype=torch.float32, device=torch.device("cpu"),
+                    key_block=key_block)
+    generator = torch.Generator().manual_seed(0)
+    for tensor in cache.k + cache.v:
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    before = [_positions(cache, layer, 2) for layer in range(config.num_layers)]
+    other = [t.clone() for t in _positions(cache, 0, 1)]
+    cache.copy_positions(source=0, dest=2, start=start, end=end)
+    inside = torch.zeros(cache.positions, dtype=torch.bool)
+    inside[start:end] = True
+    for layer in range(config.num_layers):
+        for source, copied, old in zip(_positions(cache, layer, 0), _positions(cache, layer, 2), before[layer]):
+            assert torch.equal(copied[:, inside], source[:, inside])
+            assert torch.equal(copied[:, ~inside], old[:, ~inside])
+    assert all(torch.equal(t, old) for t, old in zip(_positions(cache, 0, 1), other))
+
+
+def test_copy_positions_refuses_bad_slots_and_ranges():
+    cache = KVCache(SHAPES["tiny"], num_slots=2, max_len=8, dtype=torch.float32, device=torch.device("cpu"))
+    for source, dest, start, end in ((0, 0, 0, 4), (0, 2, 0, 4), (0, 1, 5, 4), (0, 1, 0, 9), (-1, 1, 0, 4)):
+        with pytest.raises(ValueError):
+            cache.copy_positions(source, dest, start, end)
+
+
+def test_a_copied_prefix_continues_like_the_original(model):
+    """Both K layouts, as each decoder reads them: slot 2 gets slot 0's prefix, then both run the same tokens."""
+    prefix, more = _tokens(21, 8), _tokens(5, 9)
+    model.run([SequenceChunk(slot=0, start=0, token_ids=prefix)])
+    model.run([SequenceChunk(slot=2, start=0, token_ids=_tokens(30, 10))])  # stale entries that must not show
+    model.kv_cache.copy_positions(source=0, dest=2, start=0, end=len(prefix))
+    original = model.run([SequenceChunk(slot=0, start=len(prefix), token_ids=more, num_logits=5)])
+    copy = model.run([SequenceChunk(slot=2, start=len(prefix), token_ids=more, num_logits=5)])
+    assert torch.equal(copy, original)

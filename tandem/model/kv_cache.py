@@ -60,3 +60,35 @@ class KVCache:
 
     def bytes_per_token(self) -> int:
         return self._bytes_per_token
+
+    def copy_positions(self, source: int, dest: int, start: int, end: int) -> None:
+        """Copies the K and V of positions [start, end) of slot `source` into slot `dest`, in every layer.
+
+        Lets one sequence's context continue in several slots (a drafter's pre-drafted outcomes)
+        without recomputing the prefix they share. Positions outside the range are left as they are.
+        """
+        if source == dest or not (0 <= source < self.num_slots and 0 <= dest < self.num_slots):
+            raise ValueError(f"cannot copy slot {source} to slot {dest} of {self.num_slots}")
+        if not 0 <= start <= end <= self.max_len:
+            raise ValueError(f"positions [{start}, {end}) are not inside [0, {self.max_len})")
+        for k, v in zip(self.k, self.v):
+            v[dest, :, start:end] = v[source, :, start:end]
+            if self.key_block is None:
+                k[dest, :, start:end] = k[source, :, start:end]
+            else:
+                _copy_blocked(k, source, dest, start, end, self.key_block)
+
+
+def _copy_blocked(k: torch.Tensor, source: int, dest: int, start: int, end: int, block: int) -> None:
+    """Positions [start, end) of a blocked K [slots, heads, blocks, head_dim, block]: at most three copies,
+    the partial block at each end and the whole blocks between them."""
+    first_whole, end_whole = -(-start // block), end // block
+    if first_whole > end_whole:  # the range lies inside one block
+        b, lo, hi = start // block, start % block, end - start // block * block
+        k[dest, :, b, :, lo:hi] = k[source, :, b, :, lo:hi]
+        return
+    if start % block:
+        k[dest, :, first_whole - 1, :, start % block :] = k[source, :, first_whole - 1, :, start % block :]
+    k[dest, :, first_whole:end_whole] = k[source, :, first_whole:end_whole]
+    if end % block:
+        k[dest, :, end_whole, :, : end % block] = k[source, :, end_whole, :, : end % block]
