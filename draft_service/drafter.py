@@ -7,7 +7,7 @@ drafter needs no locks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kernels.compression import CompressedProbs, pack
@@ -89,10 +89,11 @@ class Draft:
     token_ids: list[int]
     probs: bytes = b""  # kernels.compression.pack of q', one row per draft token
     probs_top_k: int = 0
+    assumed_ids: list[int] = field(default_factory=list)  # positions base_len - len(assumed_ids) .. base_len - 1
 
     def to_proto(self) -> drafter_pb2.DraftProposal:
         return drafter_pb2.DraftProposal(seq_id=self.key[1], base_len=self.base_len, token_ids=self.token_ids,
-                                         probs=self.probs, probs_top_k=self.probs_top_k)
+                                         probs=self.probs, probs_top_k=self.probs_top_k, assumed_ids=self.assumed_ids)
 
 
 def make_draft(job: DraftJob, token_ids: list[int], compressed: CompressedProbs | None) -> Draft:

@@ -43,16 +43,18 @@ class DraftSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ...) -> None: ...
 
 class SequenceOpen(_message.Message):
-    __slots__ = ("seq_id", "prompt_ids", "sampling", "k")
+    __slots__ = ("seq_id", "prompt_ids", "sampling", "k", "accepts_assumed")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_ASSUMED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: DraftSampling
     k: int
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
+    accepts_assumed: bool
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., k: _Optional[int] = ..., accepts_assumed: _Optional[bool] = ...) -> None: ...
 
 class SequenceExtend(_message.Message):
     __slots__ = ("seq_id", "start", "token_ids", "hidden_states")
@@ -83,18 +85,20 @@ class TargetUpdate(_message.Message):
     def __init__(self, opens: _Optional[_Iterable[_Union[SequenceOpen, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[SequenceExtend, _Mapping]]] = ..., closes: _Optional[_Iterable[_Union[SequenceClose, _Mapping]]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("seq_id", "base_len", "token_ids", "probs", "probs_top_k")
+    __slots__ = ("seq_id", "base_len", "token_ids", "probs", "probs_top_k", "assumed_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     PROBS_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     base_len: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: bytes
     probs_top_k: int
-    def __init__(self, seq_id: _Optional[int] = ..., base_len: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[bytes] = ..., probs_top_k: _Optional[int] = ...) -> None: ...
+    assumed_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., base_len: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[bytes] = ..., probs_top_k: _Optional[int] = ..., assumed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftProposals(_message.Message):
     __slots__ = ("proposals", "draft_time_ns")
