@@ -1,8 +1,9 @@
 """What every drafter implements, and the data the drafting loop hands it.
 
 The drafting loop (scheduler.py) owns the committed tokens of each sequence on the event loop.
-For each round it snapshots the sequences that changed into `DraftJob`s and calls `draft` on the
-drafter's own thread; `open` and `close` run on that same thread, in the order they arrived, so a
+For each round it snapshots the sequences that changed into `DraftJob`s (or pre-drafts, jobs that
+also assume tokens the target has not sent: predraft.py) and calls `draft` on the drafter's own
+thread; `open`, `close` and `settle` run on that same thread, in the order they arrived, so a
 drafter needs no locks.
 """
 from __future__ import annotations
@@ -65,19 +66,34 @@ class DraftSequence:
     tokens: list[int]  # committed tokens, prompt included
     sampling: Sampling
     k: int
+    accepts_assumed: bool = False  # the target keeps pre-drafts (proposals with assumed_ids) for it
     closed: bool = False  # set on the event loop; a running round drops the sequence when it sees it
 
 
 @dataclass(slots=True)
 class DraftJob:
-    """One sequence to draft in a round: its committed prefix at the round's start."""
+    """One prefix to draft in a round: a sequence's committed tokens at the round's start, and for a
+    pre-draft (predraft.py) the tokens it assumes the target will commit next."""
 
     sequence: DraftSequence
-    tokens: list[int]  # a snapshot: the event loop may change sequence.tokens meanwhile
+    tokens: list[int]  # a snapshot (the event loop may change sequence.tokens meanwhile), assumed tokens last
+    num_assumed: int = 0  # trailing tokens of `tokens` that the target has not sent
+    # A pre-draft of the outcome "all drafts accepted": the drafter first appends its own guess at
+    # the bonus token, then drafts after it.
+    guess_next: bool = False
+
+    @property
+    def known_len(self) -> int:
+        """The committed tokens the target had sent."""
+        return len(self.tokens) - self.num_assumed
 
     @property
     def base_len(self) -> int:
-        return len(self.tokens)
+        return len(self.tokens) + self.guess_next
+
+    @property
+    def is_predraft(self) -> bool:
+        return self.num_assumed > 0 or self.guess_next
 
 
 @dataclass(slots=True)
@@ -90,17 +106,27 @@ class Draft:
     probs: bytes = b""  # kernels.compression.pack of q', one row per draft token
     probs_top_k: int = 0
     assumed_ids: list[int] = field(default_factory=list)  # positions base_len - len(assumed_ids) .. base_len - 1
+    # Not sent: recovered_guesses[i] is the drafter's guess at the token the target emits if it
+    # rejects token_ids[i], its most likely token other than token_ids[i] (empty: no guesses).
+    recovered_guesses: list[int] = field(default_factory=list)
 
     def to_proto(self) -> drafter_pb2.DraftProposal:
         return drafter_pb2.DraftProposal(seq_id=self.key[1], base_len=self.base_len, token_ids=self.token_ids,
                                          probs=self.probs, probs_top_k=self.probs_top_k, assumed_ids=self.assumed_ids)
 
 
-def make_draft(job: DraftJob, token_ids: list[int], compressed: CompressedProbs | None) -> Draft:
-    """A Draft carrying q' (packed) for rejection sampling, or ids only when compressed is None."""
-    if compressed is None:
-        return Draft(job.sequence.key, job.base_len, token_ids)
-    return Draft(job.sequence.key, job.base_len, token_ids, pack(compressed), compressed.k)
+def make_draft(job: DraftJob, token_ids: list[int], compressed: CompressedProbs | None,
+               recovered_guesses: list[int] | None = None, guessed_next: int | None = None) -> Draft:
+    """A Draft carrying q' (packed) for rejection sampling, or ids only when compressed is None.
+
+    guessed_next: the bonus token a guess_next job guessed, the last of its assumed tokens.
+    """
+    assumed = job.tokens[job.known_len :] + ([] if guessed_next is None else [guessed_next])
+    draft = Draft(job.sequence.key, job.base_len, token_ids, assumed_ids=assumed,
+                  recovered_guesses=recovered_guesses or [])
+    if compressed is not None:
+        draft.probs, draft.probs_top_k = pack(compressed), compressed.k
+    return draft
 
 
 class Drafter(Protocol):
@@ -115,5 +141,11 @@ class Drafter(Protocol):
     def close(self, key: SeqKey) -> None:
         """Free what `open` reserved."""
 
+    def settle(self, key: SeqKey, committed: list[int]) -> None:
+        """The target committed these tokens (all of them, prompt included): state kept for outcomes
+        that did not happen may go, state drafted for the one that did is kept."""
+
     def draft(self, jobs: list[DraftJob]) -> list[Draft]:
-        """Up to each sequence's k draft tokens, batched; sequences with nothing to propose are left out."""
+        """Up to each job's k draft tokens, batched; jobs with nothing to propose may be left out.
+
+        A pre-draft job (job.is_predraft) may also be left out when the drafter has no room for it."""

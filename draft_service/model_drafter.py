@@ -1,31 +1,31 @@
-"""Drafting with a small model: one batched forward per draft position, across all sequences.
+"""Drafting with a small model: one batched forward per draft position, across all jobs.
 
-A round per batch: a catch-up forward feeds each sequence's committed tokens that its KV slot
-lacks (a whole prompt after Open, a few tokens after Extend) and gives the logits for d1; then
-d1..d(k-1) are fed one position at a time. The slot keeps d1..d(k-1), so when the target commits
+A round per batch: a catch-up forward feeds each job's tokens that its KV slot lacks (a whole
+prompt after Open, a few tokens after Extend) and gives the logits for d1; then d1..d(k-1) are
+fed one position at a time. A sequence's own slot keeps d1..d(k-1), so when the target commits
 tokens equal to those drafts, the next catch-up starts after them: accepted drafts cost no
 recompute. A rollback is a catch-up from an earlier position.
+
+Pre-drafts (predraft.py) are more rows of the same forwards, each in a scratch slot that holds the
+prefix it shares with the sequence (kv_slots.py); rows are nearly free to a memory-bound drafter.
+A pre-draft of "all k drafts accepted" feeds d_k, takes the drafter's top token there as its guess
+at the bonus token, and feeds that too, so it ends one forward after the others. Every draft also
+carries the drafter's guess at each recovered token: its most likely token other than the draft.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from draft_service.drafter import Draft, DraftJob, Sampling, SeqKey, make_draft
+from draft_service.kv_slots import SlotState, SlotTable, common_prefix_len
 from draft_service.metrics import DraftMetrics
 from kernels.compression import CompressedProbs, encode, sample_compressed
 from kernels.sampling import processed_probs, sample
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
-
-
-@dataclass(slots=True)
-class SlotState:
-    slot: int
-    cached: list[int]  # the tokens whose KV the slot holds at positions 0..len-1
-    committed_len: int = 0  # base_len of the last round: what lies beyond it in `cached` are drafts
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +40,7 @@ class DraftVocab:
 class DrawnTokens:
     tokens: list[int]  # [B]
     compressed: list[CompressedProbs | None]  # [B], q' [1, K] for rows that send probabilities
-
-
-def common_prefix_len(a: list[int], b: list[int], likely: int = 0) -> int:
-    """Length of the common prefix; `likely`, a length they probably share, is checked first at C speed."""
-    n = min(len(a), len(b))
-    i = likely if likely <= n and a[:likely] == b[:likely] else 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    runner_up: list[int]  # [B]: each row's most likely token other than tokens[b]; empty for a 1-token head
 
 
 def stack_rows(rows: list[CompressedProbs]) -> CompressedProbs:
@@ -66,9 +58,7 @@ def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list
     TARGET_SALT). The others draw from q' = decode(encode(q)) with the drafter's own salt, and
     return q' for the wire.
     """
-    tokens = logits.argmax(dim=1)  # [B]
-    if draft_vocab is not None:
-        tokens = draft_vocab.ids[tokens]
+    tokens = top_tokens(logits, draft_vocab)  # [B]
     compressed: list[CompressedProbs | None] = [None] * len(samplings)
     device = logits.device
     invariant = [b for b, s in enumerate(samplings) if not s.greedy and s.invariant]
@@ -92,7 +82,23 @@ def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list
             for r, b in enumerate(rejection):
                 compressed[b] = CompressedProbs(ids[r : r + 1], fixed[r : r + 1])
         tokens[rows] = drawn
-    return DrawnTokens(tokens.tolist(), compressed)
+    return DrawnTokens(tokens.tolist(), compressed, _runner_up(logits, tokens, draft_vocab))
+
+
+def top_tokens(logits: torch.Tensor, draft_vocab: DraftVocab | None = None) -> torch.Tensor:
+    """The drafter's most likely token of each row of logits [B, N], as vocabulary ids [B] int64."""
+    tokens = logits.argmax(dim=1)
+    return tokens if draft_vocab is None else draft_vocab.ids[tokens]
+
+
+def _runner_up(logits: torch.Tensor, tokens: torch.Tensor, draft_vocab: DraftVocab | None) -> list[int]:
+    """Each row's most likely token other than tokens[b]: the top one, or the second when tokens[b] is the top."""
+    if logits.shape[1] < 2:
+        return []
+    best = logits.topk(2, dim=1).indices  # [B, 2]
+    if draft_vocab is not None:
+        best = draft_vocab.ids[best]
+    return torch.where(best[:, 0] == tokens, best[:, 1], best[:, 0]).tolist()
 
 
 def _scatter_to_vocabulary(q: torch.Tensor, draft_vocab: DraftVocab) -> torch.Tensor:
@@ -112,8 +118,42 @@ def _sampling_tensors(samplings: list[Sampling], device: torch.device) -> tuple[
     )
 
 
+@dataclass(slots=True)
+class Row:
+    """One job of a round: the slot it writes into, and what it has drafted so far."""
+
+    job: DraftJob
+    state: SlotState
+    budget: int
+    guessed_next: int | None = None  # the bonus token a guess_next job guessed
+    token_ids: list[int] = field(default_factory=list)
+    q_rows: list[CompressedProbs] = field(default_factory=list)
+    recovered_guesses: list[int] = field(default_factory=list)
+
+    @property
+    def guessing(self) -> bool:
+        return self.job.guess_next and self.guessed_next is None
+
+    @property
+    def position(self) -> int:
+        """The position of the token its current logits predict."""
+        return self.job.base_len + len(self.token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1] if self.token_ids else self.guessed_next
+
+    @property
+    def finished(self) -> bool:
+        return len(self.token_ids) >= self.budget or self.job.sequence.closed
+
+    def draft(self) -> Draft:
+        q_prime = stack_rows(self.q_rows) if self.q_rows else None
+        return make_draft(self.job, self.token_ids, q_prime, self.recovered_guesses, self.guessed_next)
+
+
 class ModelDrafter:
-    """Drafts with a LlamaModel, one KV slot per open sequence."""
+    """Drafts with a LlamaModel: one KV slot per open sequence, scratch slots for pre-drafts."""
 
     kind = "model"
 
@@ -125,13 +165,16 @@ class ModelDrafter:
         head_rows = vocab_size if draft_vocab is None else len(draft_vocab)
         self.probs_top_k = min(probs_top_k, head_rows)  # encode's K, which Info reports
         self.metrics = metrics
-        self._states: dict[SeqKey, SlotState] = {}
+        self.slots = SlotTable(model.kv_cache)
 
     def open(self, key: SeqKey) -> None:
-        self._states[key] = SlotState(self.model.kv_cache.allocate(), [])
+        self.slots.open(key)
 
     def close(self, key: SeqKey) -> None:
-        self.model.kv_cache.free(self._states.pop(key).slot)
+        self.slots.close(key)
+
+    def settle(self, key: SeqKey, committed: list[int]) -> None:
+        self.metrics.reused_tokens.inc(self.slots.settle(key, committed))
 
     def budget(self, job: DraftJob) -> int:
         """Draft tokens for this job: k, fewer when the slot would overflow (its KV ends at base_len + k - 2)."""
@@ -139,61 +182,78 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def draft(self, jobs: list[DraftJob]) -> list[Draft]:
-        jobs = [j for j in jobs if self.budget(j) > 0 and not j.sequence.closed]
-        if not jobs:
+        rows = self._rows(jobs)
+        if not rows:
             return []
-        budgets = [self.budget(j) for j in jobs]
-        drafted: list[list[int]] = [[] for _ in jobs]
-        rows: list[list[CompressedProbs]] = [[] for _ in jobs]
-        logits = self._catch_up(jobs)  # [B, V]
-        active = list(range(len(jobs)))
-        for step in range(max(budgets)):
-            drawn = draw_tokens(logits, [jobs[i].sequence.sampling for i in active],
-                                [jobs[i].base_len + step for i in active], self.probs_top_k, self.draft_vocab)
-            for i, token, row in zip(active, drawn.tokens, drawn.compressed):
-                drafted[i].append(token)
-                if row is not None:
-                    rows[i].append(row)
-            active = [i for i in active if step + 1 < budgets[i] and not jobs[i].sequence.closed]
+        logits = self._catch_up(rows)  # [B, V]
+        active = rows
+        while True:
+            self._advance(active, logits)
+            active = [row for row in active if not row.finished]
             if not active:
                 break
-            logits = self._feed([(jobs[i], drafted[i][-1]) for i in active])  # [len(active), V]
-        return [
-            make_draft(job, ids, stack_rows(row) if row else None)
-            for job, ids, row in zip(jobs, drafted, rows)
-            if not job.sequence.closed
-        ]
+            logits = self._feed(active)  # [len(active), V]
+        return [row.draft() for row in rows if not row.job.sequence.closed]
 
-    def _catch_up(self, jobs: list[DraftJob]) -> torch.Tensor:
-        """Feed each job's committed tokens that its slot lacks; logits [B, V] at each last position."""
+    def _rows(self, jobs: list[DraftJob]) -> list[Row]:
+        """A slot for each job: the sequence's own, or a scratch slot for a pre-draft (left out when none is free)."""
+        rows = []
+        for job in jobs:
+            budget = self.budget(job)
+            if budget <= 0 or job.sequence.closed:
+                continue
+            key = job.sequence.key
+            state = self.slots.scratch_for(key, job.tokens) if job.is_predraft else self.slots.own(key)
+            if state is not None:
+                rows.append(Row(job, state, budget))
+        return rows
+
+    def _advance(self, rows: list[Row], logits: torch.Tensor) -> None:
+        """One token per row from its logits [len(rows), V]: a guess at the bonus token, or a draft."""
+        guessing = [i for i, row in enumerate(rows) if row.guessing]
+        drawing = [i for i, row in enumerate(rows) if not row.guessing]
+        if guessing:
+            for i, token in zip(guessing, top_tokens(logits[guessing], self.draft_vocab).tolist()):
+                rows[i].guessed_next = token
+        if not drawing:
+            return
+        drawn = draw_tokens(logits[drawing] if guessing else logits,
+                            [rows[i].job.sequence.sampling for i in drawing], [rows[i].position for i in drawing],
+                            self.probs_top_k, self.draft_vocab)
+        for n, i in enumerate(drawing):
+            row = rows[i]
+            row.token_ids.append(drawn.tokens[n])
+            if drawn.compressed[n] is not None:
+                row.q_rows.append(drawn.compressed[n])
+            if drawn.runner_up:
+                row.recovered_guesses.append(drawn.runner_up[n])
+
+    def _catch_up(self, rows: list[Row]) -> torch.Tensor:
+        """Feed each job's tokens that its slot lacks; logits [B, V] at each last position."""
         chunks = []
         prefills = False
-        for job in jobs:
-            state = self._states[job.sequence.key]
-            # At least the last committed token is fed again: its logits give d1.
-            reuse = common_prefix_len(state.cached, job.tokens, likely=state.committed_len)
-            start = min(reuse, job.base_len - 1)
-            self.metrics.reused_tokens.inc(max(0, start - state.committed_len))
-            prefills |= state.committed_len == 0
+        for row in rows:
+            state, job = row.state, row.job
+            # At least the last token is fed again: its logits give the next one.
+            start = min(common_prefix_len(state.cached, job.tokens, likely=state.committed_len), len(job.tokens) - 1)
+            if not job.is_predraft:  # a pre-draft's assumed tokens are not committed ones
+                self.metrics.reused_tokens.inc(max(0, start - state.committed_len))
+                prefills |= state.committed_len == 0
             state.cached = job.tokens[:start]  # until the forward has written the rest
             chunks.append(SequenceChunk(state.slot, start, job.tokens[start:]))
         began = time.perf_counter()
         logits = self.model.run(chunks)
         if prefills:
             self.metrics.prefill_duration.observe(time.perf_counter() - began)
-        for job in jobs:
-            state = self._states[job.sequence.key]
-            state.cached = list(job.tokens)
-            state.committed_len = job.base_len
+        for row in rows:
+            row.state.cached = list(row.job.tokens)
+            row.state.committed_len = row.job.known_len
         return logits
 
-    def _feed(self, pending: list[tuple[DraftJob, int]]) -> torch.Tensor:
-        """Write one draft token per job into its slot; logits [B, V] for the next draft."""
-        chunks = []
-        for job, token in pending:
-            state = self._states[job.sequence.key]
-            chunks.append(SequenceChunk(state.slot, len(state.cached), [token]))
+    def _feed(self, rows: list[Row]) -> torch.Tensor:
+        """Write each row's latest token into its slot; logits [B, V] for the next draft."""
+        chunks = [SequenceChunk(row.state.slot, len(row.state.cached), [row.last_token]) for row in rows]
         logits = self.model.run(chunks)
-        for job, token in pending:
-            self._states[job.sequence.key].cached.append(token)
+        for row in rows:
+            row.state.cached.append(row.last_token)
         return logits

@@ -2,6 +2,10 @@
 
 Its q' is a point mass on the proposed token (K=1, probability ONE), so rejection sampling
 accepts a draft d with probability p(d): lossless, like any other q'.
+
+Pre-drafting (predraft.py) is a lookup on the assumed prefix. With no distribution, the drafter
+has no guess at a recovered token; it covers only "all drafts accepted", guessing the bonus token
+as the lookup's next token after d_k, and skips that outcome too when the lookup finds none.
 """
 from __future__ import annotations
 
@@ -48,13 +52,21 @@ class NgramDrafter:
     def close(self, key: SeqKey) -> None:
         pass
 
+    def settle(self, key: SeqKey, committed: list[int]) -> None:
+        pass
+
     def draft(self, jobs: list[DraftJob]) -> list[Draft]:
         drafts = []
         for job in jobs:
             if job.sequence.closed:
                 continue
-            token_ids = lookup(job.tokens, job.sequence.k, self.min_n, self.max_n)
+            guess = lookup(job.tokens, 1, self.min_n, self.max_n) if job.guess_next else []
+            if job.guess_next and not guess:
+                continue  # no guess at the bonus token: this outcome is not covered
+            token_ids = lookup(job.tokens + guess, job.sequence.k, self.min_n, self.max_n)
+            if job.is_predraft and not token_ids:
+                continue  # "nothing" answers a prefix the target has sent, never an assumed one
             # An empty proposal tells the target there is nothing for this prefix, so it need not wait.
             q_prime = point_mass(token_ids) if token_ids and job.sequence.sampling.sends_probs else None
-            drafts.append(make_draft(job, token_ids, q_prime))
+            drafts.append(make_draft(job, token_ids, q_prime, guessed_next=guess[0] if guess else None))
         return drafts

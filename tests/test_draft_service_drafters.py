@@ -15,38 +15,20 @@ from kernels.compression import ONE, encode, sample_compressed, unpack
 from kernels.sampling import processed_probs, sample
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk
-from tandem.model.llama import build_model
-from tandem.model.random_weights import SHAPES, random_weights
 from tandem.runtime import load_tokenizer
+from tiny_drafter import MAX_LEN, VOCAB, tiny_draft_model
 
-CONFIG = SHAPES["tiny"]
-VOCAB = CONFIG.vocab_size
-MAX_LEN = 64
 TOP_K = 8
-
-
-def _model(head_ids: torch.Tensor | None = None):
-    """head_ids: a reduced draft head of those vocabulary rows."""
-    weights = random_weights(CONFIG, seed=11)
-    # Random tied embeddings make the model repeat its last token whatever the context. A small
-    # embedding and its own head make drafts depend on the whole prefix (so stale KV shows) and
-    # give sampled rows several likely tokens.
-    weights.embed = weights.embed * 0.2
-    weights.lm_head = torch.randn(VOCAB, CONFIG.hidden_size, generator=torch.Generator().manual_seed(12)) * 0.5
-    if head_ids is not None:
-        weights.lm_head = weights.lm_head[head_ids]
-    return build_model(CONFIG, weights, dtype=torch.float32, device=torch.device("cpu"),
-                       num_slots=4, max_model_len=MAX_LEN)
 
 
 @pytest.fixture
 def drafter():
-    return ModelDrafter(_model(), TOP_K, DraftMetrics("tiny"))
+    return ModelDrafter(tiny_draft_model(), TOP_K, DraftMetrics("tiny"))
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return _model()
+    return tiny_draft_model()
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -170,15 +152,15 @@ def test_mixed_modes_in_one_batch(drafter):
     sequences = [_open(drafter, i, prompt, sampling=mode) for i, mode in enumerate(modes)]
     together = drafter.draft([DraftJob(s, list(prompt)) for s in sequences])
     for i, mode in enumerate(modes):
-        alone = ModelDrafter(_model(), TOP_K, DraftMetrics("tiny"))
+        alone = ModelDrafter(tiny_draft_model(), TOP_K, DraftMetrics("tiny"))
         assert _draft_one(alone, _open(alone, i, prompt, sampling=mode)).token_ids == together[i].token_ids
 
 
 def test_a_reduced_head_drafts_only_its_vocabulary_in_every_mode():
     """q' is zero outside the draft vocabulary: drafts and sent probabilities stay inside it."""
     head_ids = torch.arange(3, VOCAB, 2)  # [N] target ids of the head rows
-    drafter = ModelDrafter(_model(head_ids), TOP_K, DraftMetrics("tiny"), head_ids)
-    full = _model()
+    drafter = ModelDrafter(tiny_draft_model(head_ids), TOP_K, DraftMetrics("tiny"), head_ids)
+    full = tiny_draft_model()
     prompt = _prompt(9, 10)
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[head_ids] = False
