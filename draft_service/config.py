@@ -31,6 +31,7 @@ class DraftConfig:
     num_slots: int = 8
     max_model_len: int = 2048
     max_k: int = 8
+    max_fanout: int = -1  # outcomes pre-drafted per proposal at most; -1: all k + 1, 0: off
     probs_top_k: int = DEFAULT_TOP_K
     ngram_min_n: int = 1
     ngram_max_n: int = 4
@@ -77,6 +78,10 @@ HELP = {
     "num_slots": "KV slots: sequences drafted at once; further Opens are refused",
     "max_model_len": "the longest sequence, prompt included, that the drafter holds",
     "max_k": "the largest k (draft tokens per proposal) that an Open may ask for",
+    "max_fanout": "pre-drafting: the most outcomes of one proposal (j drafts accepted, then a guessed token) "
+                  "drafted ahead while the target verifies it, for targets that keep such proposals; -1: all "
+                  "k + 1, 0: off. Each takes a KV slot from --num-slots while in use; spare time and free "
+                  "slots may cover fewer",
     "probs_top_k": "K of the compressed draft probabilities sent for sampled requests (model drafter)",
     "ngram_min_n": "the shortest trailing n-gram that the ngram drafter looks up",
     "ngram_max_n": "the longest trailing n-gram that the ngram drafter looks up",
@@ -96,6 +101,7 @@ _RANGES = {
     "num_slots": (1, None),
     "max_model_len": (1, None),
     "max_k": (1, None),
+    "max_fanout": (-1, None),
     "probs_top_k": (1, MAX_VOCAB),
     "ngram_min_n": (1, None),
     "ngram_max_n": (1, None),

@@ -9,7 +9,12 @@ salvages stale drafts by base_len.
 
 Every Open and Extend gets an answer, so that the target knows it need not wait: a round's drafts,
 or an empty proposal ("nothing for this prefix") for a refused Open, an Extend of a refused
-sequence, a job over the drafter's budget, or a round that failed.
+sequence, a job over the drafter's budget, or a round that failed; or, for a sequence whose target
+keeps pre-drafts, the pre-draft already sent for exactly the tokens the Extend committed.
+
+Rounds are ordered: fresh prefixes, which no sent proposal covers, first, all in one batch; when
+none waits, the pre-drafts of the outcomes of the proposals the target is verifying (predraft.py),
+best expected gain first, all in one batch.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 
 from draft_service.drafter import Draft, Drafter, DraftJob, DraftSequence, Sampling, SeqKey
 from draft_service.metrics import DraftMetrics
+from draft_service.predraft import Predrafter
 from tandem.v1 import drafter_pb2
 
 log = logging.getLogger(__name__)
@@ -67,12 +73,25 @@ class SlotOp:
     opening: bool
 
 
+@dataclass(slots=True)
+class Round:
+    """One batched draft: fresh prefixes, or, when none waits, pre-drafts."""
+
+    jobs: list[DraftJob]
+    predraft: bool
+    # The committed tokens of every sequence whose tokens changed, for Drafter.settle before drafting.
+    settled: list[tuple[SeqKey, list[int]]]
+
+
 class DraftScheduler:
-    def __init__(self, drafter: Drafter, metrics: DraftMetrics, limits: Limits, delay_s: float = 0.0):
+    def __init__(self, drafter: Drafter, metrics: DraftMetrics, limits: Limits, delay_s: float = 0.0,
+                 max_fanout: int = 0):
+        """max_fanout: outcomes pre-drafted per proposal at most; -1: all k + 1 of them, 0: none."""
         self._drafter = drafter
         self._metrics = metrics
         self._limits = limits
         self._delay_s = delay_s
+        self._predrafter = Predrafter(limits.max_k + 1 if max_fanout < 0 else max_fanout, metrics)
         # One thread: forwards never overlap, and the event loop stays free for Info, health and metrics.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self._streams: dict[int, Stream] = {}
@@ -145,8 +164,10 @@ class DraftScheduler:
             stream.undrafted.append(nothing_for(msg.seq_id, len(msg.prompt_ids)))
             raise
         stream.refused.discard(msg.seq_id)
-        sequence = DraftSequence((stream.id, msg.seq_id), list(msg.prompt_ids), sampling, msg.k)
+        sequence = DraftSequence((stream.id, msg.seq_id), list(msg.prompt_ids), sampling, msg.k,
+                                 accepts_assumed=msg.accepts_assumed)
         stream.sequences[msg.seq_id] = sequence
+        self._predrafter.open(sequence)
         self._num_sequences += 1
         self._metrics.sequences.inc()
         self._slot_ops.append(SlotOp(sequence.key, opening=True))
@@ -183,6 +204,7 @@ class DraftScheduler:
         token_ids = list(msg.token_ids)
         if sequence.tokens[msg.start :] == token_ids:
             return
+        self._predrafter.on_extend(sequence, msg.start, token_ids, time.perf_counter())
         del sequence.tokens[msg.start :]
         sequence.tokens.extend(token_ids)
         self._dirty[sequence.key] = sequence
@@ -204,6 +226,7 @@ class DraftScheduler:
     def _release(self, sequence: DraftSequence) -> None:
         sequence.closed = True
         self._dirty.pop(sequence.key, None)
+        self._predrafter.close(sequence.key)
         self._slot_ops.append(SlotOp(sequence.key, opening=False))
         self._num_sequences -= 1
         self._metrics.sequences.dec()
@@ -211,49 +234,93 @@ class DraftScheduler:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            await self._work()
             slot_ops, self._slot_ops = self._slot_ops, []
-            # A sequence rolled back to nothing has no prefix to draft from.
-            jobs = [DraftJob(sequence, list(sequence.tokens)) for sequence in self._dirty.values() if sequence.tokens]
-            self._dirty.clear()
+            work = self._next_round()
             began = time.perf_counter()
             try:
-                drafts = await loop.run_in_executor(self._executor, self._round, slot_ops, jobs)
+                drafts = await loop.run_in_executor(self._executor, self._round, slot_ops, work)
             except Exception:
                 self._metrics.errors.inc()
-                log.exception("a drafting round of %d sequences failed", len(jobs))
-                self._deliver(jobs, [], 0.0)  # nothing for each of them: the target need not wait
+                log.exception("a drafting round of %d jobs failed", len(work.jobs))
+                if work.predraft:
+                    self._predrafter.on_failed_round()
+                else:
+                    self._deliver(work.jobs, [], 0.0)  # nothing for each of them: the target need not wait
                 continue
             elapsed = time.perf_counter() - began
-            if jobs:
+            if work.jobs:
                 self._metrics.step_duration.observe(elapsed)
-                self._metrics.batch_size.observe(len(jobs))
+                self._metrics.batch_size.observe(len(work.jobs))
             if drafts and self._delay_s:
                 await asyncio.sleep(self._delay_s)
-            self._deliver(jobs, drafts, elapsed)
+            if work.predraft:
+                self._deliver_predrafts(drafts, elapsed)
+            else:
+                self._deliver(work.jobs, drafts, elapsed)
 
-    def _round(self, slot_ops: list[SlotOp], jobs: list[DraftJob]) -> list[Draft]:
-        """On the drafter's thread: opens and closes in arrival order, then one batched draft."""
+    async def _work(self) -> None:
+        """Returns at once while there is work; otherwise waits for an update, counting the time as idle."""
+        if not (self._dirty or self._slot_ops or self._predrafter.has_pending()):
+            self._metrics.idle.begin()
+            try:
+                await self._wake.wait()
+            finally:
+                self._metrics.idle.end()
+        self._wake.clear()
+
+    def _next_round(self) -> Round:
+        """The changed sequences that no sent proposal covers, drafted afresh; when there are none, pre-drafts."""
+        fresh: list[DraftJob] = []
+        settled: list[tuple[SeqKey, list[int]]] = []
+        for sequence in self._dirty.values():
+            if not sequence.tokens:  # rolled back to nothing: no prefix to draft from
+                continue
+            committed = list(sequence.tokens)
+            settled.append((sequence.key, committed))
+            if not self._predrafter.covers(sequence):
+                fresh.append(DraftJob(sequence, committed))
+        self._dirty.clear()
+        if fresh:
+            return Round(fresh, predraft=False, settled=settled)
+        return Round(self._predrafter.take_jobs(), predraft=True, settled=settled)
+
+    def _round(self, slot_ops: list[SlotOp], work: Round) -> list[Draft]:
+        """On the drafter's thread: opens and closes in arrival order, then what the target committed, then a draft."""
         for op in slot_ops:
             (self._drafter.open if op.opening else self._drafter.close)(op.key)
-        return self._drafter.draft(jobs) if jobs else []
+        for key, committed in work.settled:
+            self._drafter.settle(key, committed)
+        return self._drafter.draft(work.jobs) if work.jobs else []
 
     def _deliver(self, jobs: list[DraftJob], drafts: list[Draft], elapsed: float) -> None:
         """One DraftProposals message per stream, with an answer for every job: its draft, or nothing.
 
         Jobs of sequences closed meanwhile are dropped.
         """
-        drafted = {draft.key: draft.to_proto() for draft in drafts}
+        drafted = {draft.key: draft for draft in drafts}
         by_stream: dict[int, list[drafter_pb2.DraftProposal]] = {}
         for job in jobs:
             key = job.sequence.key
             if not job.sequence.closed:
-                proposal = drafted[key] if key in drafted else nothing_for(key[1], job.base_len)
+                draft = drafted.get(key)
+                self._predrafter.on_drafted(job, draft)
+                proposal = draft.to_proto() if draft is not None else nothing_for(key[1], job.base_len)
                 by_stream.setdefault(key[0], []).append(proposal)
-                self._metrics.tokens.inc(len(proposal.token_ids))
+        self._send(by_stream, elapsed)
+
+    def _deliver_predrafts(self, drafts: list[Draft], elapsed: float) -> None:
+        """The pre-drafts still worth sending, one DraftProposals message per stream."""
+        by_stream: dict[int, list[drafter_pb2.DraftProposal]] = {}
+        for draft in self._predrafter.on_predrafted(drafts, time.perf_counter(), elapsed):
+            by_stream.setdefault(draft.key[0], []).append(draft.to_proto())
+            self._metrics.predraft_proposals.inc()
+        self._send(by_stream, elapsed)
+
+    def _send(self, by_stream: dict[int, list[drafter_pb2.DraftProposal]], elapsed: float) -> None:
         for stream_id, proposals in by_stream.items():
             self._metrics.proposals.inc(len(proposals))
+            self._metrics.tokens.inc(sum(len(p.token_ids) for p in proposals))
             message = drafter_pb2.DraftProposals(proposals=proposals, draft_time_ns=int(elapsed * 1e9))
             self._streams[stream_id].outbox.put_nowait(message)
 

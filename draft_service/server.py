@@ -104,7 +104,8 @@ async def serve(config: DraftConfig) -> None:
     loaded = load_drafter(config)
     limits = Limits(vocab_size=loaded.info.vocab_size, max_model_len=config.max_model_len,
                     max_k=config.max_k, num_slots=config.num_slots)
-    scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits, delay_s=config.delay_ms / 1000)
+    scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits, delay_s=config.delay_ms / 1000,
+                               max_fanout=config.max_fanout)
     servicer = DrafterServicer(loaded.info, scheduler)
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
                             max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,

@@ -19,6 +19,7 @@ from kernels.compression import DEFAULT_TOP_K, ONE, sample_compressed, unpack, w
 from service_fixtures import metric, scrape
 from tandem.generate import greedy_generate
 from tandem.launch import ServiceProcess
+from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel, build_model
 from tandem.runtime import load_tokenizer
 from tandem.tokenizer import Tokenizer
@@ -69,6 +70,21 @@ class Speculation:
             self.received.extend(message.proposals)
 
 
+    async def predrafts(self, seq_id: int, known_len: int, count: int) -> list[pb.DraftProposal]:
+        """The next `count` pre-drafts for seq_id that continue its first known_len committed tokens."""
+        found: list[pb.DraftProposal] = []
+        while True:
+            mine = [p for p in self.received
+                    if p.seq_id == seq_id and p.assumed_ids and p.base_len - len(p.assumed_ids) == known_len]
+            found += mine
+            self.received = [p for p in self.received if p not in mine]
+            if len(found) >= count:
+                return found
+            message = await asyncio.wait_for(self.call.read(), WAIT_S)
+            assert message is not grpc.aio.EOF, "the stream ended"
+            self.received.extend(message.proposals)
+
+
 @asynccontextmanager
 async def speculate(server: ServiceProcess):
     async with grpc.aio.insecure_channel(server.address) as channel:
@@ -77,8 +93,9 @@ async def speculate(server: ServiceProcess):
         call.cancel()
 
 
-def _open(seq_id: int, prompt: list[int], k: int = K, **sampling) -> pb.SequenceOpen:
-    return pb.SequenceOpen(seq_id=seq_id, prompt_ids=prompt, k=k, sampling=pb.DraftSampling(**sampling))
+def _open(seq_id: int, prompt: list[int], k: int = K, accepts_assumed: bool = False, **sampling) -> pb.SequenceOpen:
+    return pb.SequenceOpen(seq_id=seq_id, prompt_ids=prompt, k=k, sampling=pb.DraftSampling(**sampling),
+                           accepts_assumed=accepts_assumed)
 
 
 def _extend(seq_id: int, start: int, token_ids: list[int]) -> pb.SequenceExtend:
@@ -196,6 +213,39 @@ async def test_a_temperature_below_1e_5_drafts_greedily_beside_a_sampled_sequenc
         tiny, sampled = await stream.proposal(1), await stream.proposal(2)
     assert (list(tiny.token_ids), tiny.probs) == (greedy, b"")
     assert len(sampled.token_ids) == K and sampled.probs
+
+
+def _runner_up(logits: torch.Tensor, token: int) -> int:
+    """The most likely token other than `token` in logits [V]."""
+    return int(logits.index_fill(0, torch.tensor([token]), float("-inf")).argmax())
+
+
+async def test_predrafts_for_a_target_that_keeps_them_and_a_hit_skips_the_fresh_round(model_server, reference):
+    """k = 2: three outcomes, each drafted as greedy decoding from its prefix would; the process has 4 slots."""
+    prompt = reference.tokenizer.encode("The capital of France is")
+    n, model = len(prompt), reference.model
+    hits = _metric(model_server, "tandem_draft_predraft_hits_total")
+    async with speculate(model_server) as stream:
+        await stream.send(opens=[_open(1, prompt, k=2, accepts_assumed=True)])
+        fresh = await stream.proposal(1, n)
+        d = greedy_generate(model, prompt, 3)
+        assert (list(fresh.token_ids), list(fresh.assumed_ids)) == (d[:2], [])
+        # Along the server's path: the prompt prefilled, then d1 fed alone.
+        logits = [model.run([SequenceChunk(slot=0, start=0, token_ids=prompt)])[-1],
+                  model.run([SequenceChunk(slot=0, start=n, token_ids=d[:1])])[-1]]
+        expected = {(_runner_up(logits[0], d[0]),), (d[0], _runner_up(logits[1], d[1])), tuple(d)}
+        predrafts = {tuple(p.assumed_ids): p for p in await stream.predrafts(1, n, 3)}
+        assert set(predrafts) == expected
+        for assumed, predraft in predrafts.items():
+            assert predraft.base_len == n + len(assumed)
+            assert list(predraft.token_ids) == greedy_generate(model, prompt + list(assumed), 2)
+
+        await stream.send(extends=[_extend(1, n, d)])  # both drafts accepted, and the bonus token guessed
+        outcomes = await stream.predrafts(1, n + 3, 3)  # the next pre-drafts follow at once ...
+        assert not [p for p in stream.received if p.seq_id == 1 and not p.assumed_ids]  # ... with no fresh round
+        assert _metric(model_server, "tandem_draft_predraft_hits_total") == hits + 1
+        e = list(predrafts[tuple(d)].token_ids)
+        assert {tuple(p.assumed_ids[:2]) for p in outcomes if len(p.assumed_ids) == 3} == {tuple(e)}
 
 
 async def test_close_and_stream_end_free_sequences(model_server, reference):

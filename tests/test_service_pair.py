@@ -77,6 +77,17 @@ def test_greedy_with_model_drafter_is_token_identical(model_pair):
     _greedy_identity(model_pair[1])
 
 
+def test_a_target_that_keeps_no_predrafts_is_sent_none(model_pair):
+    """Today's target opens its sequences without accepts_assumed: the drafter drafts for it as before."""
+    draft, target = model_pair
+    run_requests(target.address, [greedy_request(p, MAX_TOKENS) for p in PROMPTS[:2]])
+    drafter_samples, target_samples = scrape(draft.metrics_url), scrape(target.metrics_url)
+    assert any(s.name == "tandem_draft_predraft_proposals_total" for s in drafter_samples)
+    assert metric(drafter_samples, "tandem_draft_proposals_total") > 0
+    assert metric(drafter_samples, "tandem_draft_predraft_proposals_total") == 0
+    assert metric(target_samples, "tandem_draft_rejected_proposals_total", reason="base_len") == 0
+
+
 def test_ttft_does_not_wait_for_a_slow_drafter(tmp_path_factory):
     draft, target = _pair(tmp_path_factory, "slow", ["--drafter", "ngram", "--delay-ms", "500"])
     try:

@@ -1,0 +1,277 @@
+"""Pre-drafting: the drafter's side of the speculation cache (docs/design.md, The speculation cache).
+
+After proposing d1..dk for a committed prefix C of length L, the drafter does not wait for the
+target's next Extend. It drafts ahead for the likely outcomes of the verification the target is
+running: j drafts accepted (0 <= j <= k), then the next token b, which the drafter guesses from its
+own distribution: for j < k its most likely token other than d(j+1) at position L+j (the recovered
+token), for j = k its top token at position L+k (the bonus token). For outcome (j, b) it drafts
+the tokens that continue C + d1..dj + b and sends them as an ordinary proposal whose assumed_ids
+are d1..dj, b. When the next Extend commits exactly those tokens, the target already holds drafts
+for its new prefix, and the drafter goes straight on to the outcomes of that proposal.
+
+Which outcomes: the expected gain of (j, b) is P(j) x P(b right | j), with P(j) = alpha^j (1 - alpha)
+for j < k and alpha^k for j = k; alpha is the per-draft acceptance the drafter measures from the
+Extends it receives (how many leading drafts were committed), P(b right) its measured hit rate
+for that kind of guess, optimistic until measured. How many: `Fanout`, from the drafter's spare time.
+
+Lossless, as any proposal. A pre-draft's drafts are drawn like a fresh proposal's: from the q' it
+sends, with the drafter's own salt, keyed by (seed, position), or greedily, or with the shared
+noise in drafter-invariant mode. The target uses a cached proposal only when its assumed tokens
+equal what it committed, so the choice depends on the committed tokens alone. The verification
+that committed them, through position L+j, looked at the drafter's noise only at positions up to
+L+j (the drafts it accepted and the one it rejected), never at positions >= L+j+1, where the
+pre-draft's drafts are drawn; and which outcomes the drafter covered depends on the gains and on
+d1..d(j+1), not on drafts beyond them. So given the committed prefix, the chosen proposal's drafts
+are draws from its q' rows, independent of the verifier's noise: the premise of rejection
+sampling, exactly as for a fresh proposal.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from draft_service.drafter import Draft, DraftJob, DraftSequence, SeqKey
+from draft_service.metrics import DraftMetrics
+
+DECAY = 0.98  # per observation: a rate follows about the last 50
+PRIOR_WEIGHT = 2.0  # how many trials the prior counts for
+
+
+@dataclass(slots=True)
+class Rate:
+    """A probability measured over recent trials: exponentially decayed counts, starting from a prior."""
+
+    prior: float
+    hits: float = 0.0
+    trials: float = 0.0
+
+    def observe(self, hits: int, trials: int) -> None:
+        self.hits = self.hits * DECAY + hits
+        self.trials = self.trials * DECAY + trials
+
+    @property
+    def value(self) -> float:
+        return (self.hits + self.prior * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+
+
+@dataclass(slots=True)
+class OutcomeModel:
+    """P(j) and P(b right | j), as the drafter measures them."""
+
+    acceptance: Rate = field(default_factory=lambda: Rate(prior=0.5))  # alpha, per draft
+    recovered_hits: Rate = field(default_factory=lambda: Rate(prior=1.0))
+    bonus_hits: Rate = field(default_factory=lambda: Rate(prior=1.0))
+
+    def gain(self, accepted: int, num_drafts: int) -> float:
+        alpha = self.acceptance.value
+        if accepted == num_drafts:
+            return alpha**num_drafts * self.bonus_hits.value
+        return alpha**accepted * (1 - alpha) * self.recovered_hits.value
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One way the verification of a proposal may end: `accepted` drafts committed, then `next_token`."""
+
+    accepted: int
+    next_token: int | None  # None: all drafts accepted; the drafter guesses the bonus token as it pre-drafts
+    gain: float
+
+
+@dataclass(slots=True)
+class SentProposal:
+    """A proposal the target holds: drafts for the prefix `tokens` (committed tokens, then assumed ones)."""
+
+    tokens: list[int]
+    drafts: list[int]
+    recovered_guesses: list[int]
+
+
+@dataclass(slots=True)
+class Fanout:
+    """Outcomes per proposal to pre-draft: one more after a round that ended well before the next
+    Extend, half as many when an Extend comes before a sequence's pre-drafts are done."""
+
+    cap: int  # --max-fanout: 0 turns pre-drafting off
+    limit: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.limit = self.cap  # optimistic: rows are nearly free to a memory-bound drafter
+
+    def on_late(self) -> None:
+        self.limit = min(self.cap, max(1, self.limit // 2))
+
+    def on_spare(self, spare_s: float, round_s: float, outcomes: int) -> None:
+        """spare_s: from the end of a pre-draft round of `outcomes` outcomes per sequence to the next Extend."""
+        # An outcome more per sequence costs at most a round's time per outcome, less in practice.
+        if outcomes and spare_s > round_s / outcomes:
+            self.limit = min(self.cap, self.limit + 1)
+
+
+@dataclass(slots=True)
+class SequenceState:
+    sequence: DraftSequence
+    current: SentProposal | None = None  # the proposal for the committed tokens, which the target verifies
+    predrafts: list[SentProposal] = field(default_factory=list)  # sent for current's outcomes
+    bonus_guess: int | None = None  # current's guess at the bonus token, once that outcome is pre-drafted
+    pending: list[Outcome] = field(default_factory=list)  # current's outcomes that wait for a pre-draft round
+    in_flight: list[int] | None = None  # the committed tokens of a running pre-draft round for it
+    predrafted_at: float | None = None  # when its last pre-draft round ended
+    predraft_round_s: float = 0.0
+    predraft_outcomes: int = 0
+
+
+class Predrafter:
+    """Each sequence's proposal under verification, its outcomes, and the pre-drafts sent for them.
+
+    Runs on the event loop. The scheduler calls `on_extend` for each Extend before it changes the
+    tokens; `covers` when it plans a round for a sequence whose tokens changed; `take_jobs` for a
+    pre-draft round; `on_drafted` and `on_predrafted` as it delivers a round's proposals.
+    """
+
+    def __init__(self, max_fanout: int, metrics: DraftMetrics):
+        self.fanout = Fanout(max_fanout)
+        self.model = OutcomeModel()
+        self._metrics = metrics
+        self._states: dict[SeqKey, SequenceState] = {}
+        self._pending: dict[SeqKey, SequenceState] = {}
+        self._in_flight: list[SequenceState] = []
+        metrics.fanout_limit.set(self.fanout.limit)
+
+    def open(self, sequence: DraftSequence) -> None:
+        self._states[sequence.key] = SequenceState(sequence)
+
+    def close(self, key: SeqKey) -> None:
+        self._states.pop(key, None)
+        self._pending.pop(key, None)
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def on_extend(self, sequence: DraftSequence, start: int, token_ids: list[int], now: float) -> None:
+        """Before the tokens change: measure the outcome, adjust the fan-out, cancel the moot pre-drafts."""
+        state = self._states[sequence.key]
+        if state.pending or state.in_flight is not None:
+            self.fanout.on_late()
+        elif state.predrafted_at is not None:
+            self.fanout.on_spare(now - state.predrafted_at, state.predraft_round_s, state.predraft_outcomes)
+        self._metrics.fanout_limit.set(self.fanout.limit)
+        if state.pending:
+            self._metrics.predraft_cancelled["pending"].inc(len(state.pending))
+            state.pending = []
+            del self._pending[sequence.key]
+        state.predrafted_at = None
+        if state.current is not None and start == len(sequence.tokens) and sequence.tokens == state.current.tokens:
+            self._observe(state, token_ids)
+
+    def _observe(self, state: SequenceState, token_ids: list[int]) -> None:
+        """Which outcome the target's verification of the current proposal had, and whether the guess was right."""
+        drafts = state.current.drafts
+        accepted = 0
+        while accepted < min(len(drafts), len(token_ids)) and token_ids[accepted] == drafts[accepted]:
+            accepted += 1
+        rejected = accepted < len(drafts) and len(token_ids) > accepted
+        self.model.acceptance.observe(accepted, accepted + rejected)
+        if len(token_ids) == accepted:  # a stop ended the sequence on an accepted draft
+            return
+        actual = token_ids[accepted]
+        if accepted < len(state.current.recovered_guesses) and accepted < len(drafts):
+            guess = state.current.recovered_guesses[accepted]
+            self._count_guess("recovered", self.model.recovered_hits, actual == guess)
+        elif accepted == len(drafts) and state.bonus_guess is not None:
+            self._count_guess("bonus", self.model.bonus_hits, actual == state.bonus_guess)
+
+    def _count_guess(self, kind: str, rate: Rate, right: bool) -> None:
+        rate.observe(right, 1)
+        self._metrics.outcomes_seen[kind].inc()
+        if right:
+            self._metrics.guesses_right[kind].inc()
+
+    def covers(self, sequence: DraftSequence) -> bool:
+        """Whether a sent pre-draft covers the committed tokens exactly; if one does, the target verifies
+        it now, so its outcomes are what to pre-draft next."""
+        state = self._states[sequence.key]
+        covering = next((p for p in state.predrafts if p.tokens == sequence.tokens), None)
+        self._make_current(state, covering)
+        if covering is not None:
+            self._metrics.predraft_hits.inc()
+        return covering is not None
+
+    def on_drafted(self, job: DraftJob, draft: Draft | None) -> None:
+        """A fresh proposal was sent: if it still answers the newest tokens, the target verifies it next."""
+        state = self._states.get(job.sequence.key)
+        if state is None or state.sequence.tokens != job.tokens:
+            return  # closed, or moved on meanwhile: sent only for the target to salvage
+        proposal = SentProposal(job.tokens, draft.token_ids, draft.recovered_guesses) if draft else None
+        self._make_current(state, proposal if draft and draft.token_ids else None)
+
+    def _make_current(self, state: SequenceState, proposal: SentProposal | None) -> None:
+        state.current, state.predrafts, state.bonus_guess, state.pending = proposal, [], None, []
+        self._pending.pop(state.sequence.key, None)
+        if proposal is None or not state.sequence.accepts_assumed or not self.fanout.limit:
+            return
+        state.pending = self._outcomes(proposal)[: self.fanout.limit]
+        self._pending[state.sequence.key] = state
+
+    def _outcomes(self, proposal: SentProposal) -> list[Outcome]:
+        """Every outcome the drafter can guess, by expected gain (ties: fewer accepted drafts first)."""
+        n = len(proposal.drafts)
+        outcomes = [Outcome(j, guess, self.model.gain(j, n))
+                    for j, guess in enumerate(proposal.recovered_guesses[:n]) if guess != proposal.drafts[j]]
+        outcomes.append(Outcome(n, None, self.model.gain(n, n)))
+        return sorted(outcomes, key=lambda o: -o.gain)
+
+    def take_jobs(self) -> list[DraftJob]:
+        """Every pending outcome as a pre-draft job, best expected gain first."""
+        scored: list[tuple[float, DraftJob]] = []
+        for state in self._pending.values():
+            committed = list(state.sequence.tokens)
+            state.in_flight = committed
+            scored += [(outcome.gain, outcome_job(state.sequence, committed, state.current.drafts, outcome))
+                       for outcome in state.pending]
+            state.pending = []
+            self._in_flight.append(state)
+        self._pending.clear()
+        scored.sort(key=lambda pair: -pair[0])
+        return [job for _, job in scored]
+
+    def on_predrafted(self, drafts: list[Draft], now: float, round_s: float) -> list[Draft]:
+        """The round's pre-drafts that are still worth sending: the target has not committed past their
+        known prefix, or it committed exactly their assumed tokens. The others are dropped."""
+        sent: list[Draft] = []
+        per_sequence: Counter[SeqKey] = Counter()
+        for draft in drafts:
+            state = self._states.get(draft.key)
+            if state is None or state.in_flight is None or not draft.token_ids:
+                continue
+            prefix = state.in_flight + draft.assumed_ids
+            if state.sequence.tokens != state.in_flight and state.sequence.tokens != prefix:
+                self._metrics.predraft_cancelled["drafted"].inc()
+                continue
+            state.predrafts.append(SentProposal(prefix, draft.token_ids, draft.recovered_guesses))
+            if state.current is not None and len(draft.assumed_ids) == len(state.current.drafts) + 1:
+                state.bonus_guess = draft.assumed_ids[-1]
+            sent.append(draft)
+            per_sequence[draft.key] += 1
+        self._end_round(now, round_s, per_sequence)
+        return sent
+
+    def on_failed_round(self) -> None:
+        self._end_round(None, 0.0, Counter())
+
+    def _end_round(self, now: float | None, round_s: float, per_sequence: Counter[SeqKey]) -> None:
+        for state in self._in_flight:
+            state.in_flight = None
+            state.predrafted_at, state.predraft_round_s = now, round_s
+            state.predraft_outcomes = per_sequence[state.sequence.key]
+            if now is not None and not state.sequence.closed:
+                self._metrics.fanout.observe(state.predraft_outcomes)
+        self._in_flight = []
+
+
+def outcome_job(sequence: DraftSequence, committed: list[int], drafts: list[int], outcome: Outcome) -> DraftJob:
+    """The pre-draft of one outcome: the committed tokens, the accepted drafts, then the next token."""
+    accepted = drafts[: outcome.accepted]
+    if outcome.next_token is None:
+        return DraftJob(sequence, committed + accepted, num_assumed=len(accepted), guess_next=True)
+    return DraftJob(sequence, committed + accepted + [outcome.next_token], num_assumed=len(accepted) + 1)
