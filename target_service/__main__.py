@@ -21,6 +21,8 @@ HELP = {
                      "(expected accepted tokens x step time) and not at all for a drafter slower than that; "
                      "0 never waits",
     "sync_speculation": "wait for the drafter every step (the blocking baseline, for benchmarks)",
+    "min_step_ms": "for tests: each decode or verify step lasts at least this long (a tiny model made to "
+                   "step like a larger one, so that a drafter of its size is ahead of it)",
     "grace_seconds": "on SIGTERM, how long running requests may take to finish",
     "max_message_bytes": "the largest gRPC message either way, on both links",
     "tls_cert": "PEM certificate (chain) served to clients; with --tls-key turns TLS on",

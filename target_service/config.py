@@ -22,6 +22,7 @@ class TargetConfig:
     num_speculative_tokens: int = 4
     draft_wait_ms: float = 50.0  # the most a step waits for drafts (the policy usually waits less); 0 never waits
     sync_speculation: bool = False  # wait for each step's drafts (the pre-non-blocking baseline)
+    min_step_ms: float = 0.0  # testing: a decode or verify step takes at least this long, as a larger model's
     reconnect_max_seconds: float = 5.0
     grace_seconds: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
@@ -45,7 +46,8 @@ class TargetConfig:
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         non_negative = {"max_queue": self.max_queue, "num_speculative_tokens": self.num_speculative_tokens,
-                        "draft_wait_ms": self.draft_wait_ms, "grace_seconds": self.grace_seconds}
+                        "draft_wait_ms": self.draft_wait_ms, "grace_seconds": self.grace_seconds,
+                        "min_step_ms": self.min_step_ms}
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")

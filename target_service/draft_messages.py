@@ -5,12 +5,16 @@ from target_service.sequence import Sequence
 from tandem.v1 import drafter_pb2
 
 
-def open_message(seq: Sequence, k: int) -> drafter_pb2.SequenceOpen:
-    """Opens the sequence with every committed token (the prompt, or more after a reconnect)."""
+def open_message(seq: Sequence, k: int, accepts_assumed: bool) -> drafter_pb2.SequenceOpen:
+    """Opens the sequence with every committed token (the prompt, or more after a reconnect).
+
+    accepts_assumed: the target keeps pre-drafts (proposals that assume tokens) for it.
+    """
     o = seq.options
     sampling = drafter_pb2.DraftSampling(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
                                          min_p=o.min_p, seed=o.seed, drafter_invariant=o.drafter_invariant)
-    return drafter_pb2.SequenceOpen(seq_id=seq.seq_id, prompt_ids=seq.token_ids, sampling=sampling, k=k)
+    return drafter_pb2.SequenceOpen(seq_id=seq.seq_id, prompt_ids=seq.token_ids, sampling=sampling, k=k,
+                                    accepts_assumed=accepts_assumed)
 
 
 def extend_message(seq: Sequence, start: int) -> drafter_pb2.SequenceExtend:

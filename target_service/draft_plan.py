@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from target_service.drafts import UsableDrafts
+from target_service.drafts import HeldProposal, UsableDrafts
 from target_service.sequence import Sequence
 from target_service.step import VerifyItem
 
@@ -20,8 +20,13 @@ class PlannedDrafts:
     seq: Sequence
     cap: int  # the most drafts it can verify: its k, the tokens it may still add, its KV room; 0 if not speculating
     drafts: UsableDrafts | None  # matched, at most the cap, and once taken at most the budget
-    contradicted: bool  # its proposal was drafted from a prefix that the committed tokens contradict
     awaiting: bool  # it can verify drafts, has none, and the drafter has not answered its prefix yet
+    source: HeldProposal | None = None  # the held proposal the drafts come from
+
+    @property
+    def cached(self) -> bool:
+        """The drafts come from a pre-draft: the speculation cache had them when the step began."""
+        return self.drafts is not None and self.source is not None and bool(self.source.proposal.assumed)
 
     @property
     def num_drafts(self) -> int:

@@ -9,11 +9,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from target_service.draft_messages import extend_message, open_message
 from target_service.draft_plan import DraftPlan, PlannedDrafts
-from target_service.drafts import NO_MATCH, InvalidProposal, Proposal, ProposalMatch, match_proposal, validate_proposal
+from target_service.drafts import (
+    NO_MATCH,
+    HeldProposal,
+    InvalidProposal,
+    Proposal,
+    ProposalMatch,
+    match_proposal,
+    validate_proposal,
+)
 from target_service.metrics import TargetMetrics
 from target_service.sequence import Sequence
 from target_service.speculation import SpeculationPolicy
@@ -22,36 +30,70 @@ from tandem.v1 import drafter_pb2
 log = logging.getLogger(__name__)
 
 
+# Proposals a sequence keeps: the one under verification and the pre-drafts of its outcomes
+# (k + 1 at most for k <= 16), with room for a fresh proposal beside them.
+MAX_HELD_PROPOSALS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    """Proposals a step dropped as never to be used, by kind, for the metrics."""
+
+    stale: int = 0  # plain proposals never verified, which the committed tokens contradict
+    predrafts: int = 0  # pre-drafts never verified, whose assumed tokens were not what was committed
+
+
 @dataclass(slots=True)
 class DrafterState:
-    """What the drafter knows of one sequence, and what it proposed for it.
+    """What the drafter knows of one sequence, and the proposals it made for it (the speculation cache).
 
-    keep, match, drop_contradicted and forget are the proposals' only way in and out, so that
-    keeping several proposals per sequence (a speculation cache) changes this class alone.
+    keep, match, evict and forget are the proposals' only way in and out.
     """
 
     seq: Sequence
     told_len: int = 0  # committed tokens the drafter has been told about; 0: not open on this stream
     told_at: float | None = None  # when it was last told, for the draft round trip
     answered_len: int = 0  # the last prefix length the drafter answered, with drafts or none
-    proposal: Proposal | None = None  # the newest valid one
+    held: list[HeldProposal] = field(default_factory=list)  # oldest first
 
     def keep(self, proposal: Proposal) -> None:
-        self.proposal = proposal
+        self.held.append(HeldProposal(proposal))
+        del self.held[:-MAX_HELD_PROPOSALS]
 
-    def match(self, limit: int) -> ProposalMatch:
-        """The drafts that continue the committed tokens, at most `limit`."""
-        if self.proposal is None:
-            return NO_MATCH
-        return match_proposal(self.proposal, self.seq.token_ids, limit)
+    def match(self, limit: int) -> tuple[ProposalMatch, HeldProposal | None]:
+        """The held proposal whose drafts continue the committed tokens furthest (newest on ties).
 
-    def drop_contradicted(self) -> None:
-        self.proposal = None
+        Each is a valid draw given the committed tokens, so the one with the most drafts left is
+        worth the most.
+        """
+        best, source = NO_MATCH, None
+        for held in self.held:
+            match = match_proposal(held.proposal, self.seq.token_ids, limit)
+            if match.drafts is not None and (best.drafts is None or len(match.drafts.tokens) >= len(best.drafts.tokens)):
+                best, source = match, held
+        return best, source
+
+    def covers_committed(self) -> bool:
+        """A held proposal has drafts for the committed tokens: the drafter owes no answer for them."""
+        return any(match_proposal(h.proposal, self.seq.token_ids, 1).drafts is not None for h in self.held)
+
+    def evict(self) -> Evicted:
+        """Drop the proposals the committed tokens contradict or used up; they can never be verified."""
+        kept, stale, predrafts = [], 0, 0
+        for held in self.held:
+            match = match_proposal(held.proposal, self.seq.token_ids, 1)
+            if not (match.contradicted or match.exhausted):
+                kept.append(held)
+            elif match.contradicted and not held.used:
+                stale += not held.proposal.assumed
+                predrafts += bool(held.proposal.assumed)
+        self.held = kept
+        return Evicted(stale, predrafts)
 
     def forget(self) -> None:
         """A new stream: nothing was told or proposed on it yet."""
         self.told_len = 0
-        self.proposal = None
+        self.held.clear()
 
 
 class DraftTracker:
@@ -94,27 +136,36 @@ class DraftTracker:
         """
         m = self.metrics
         for entry in plan.entries:
+            state = self._states[entry.seq.seq_id]
+            m.draft_cache_held.observe(len(state.held))
+            evicted = state.evict()
+            if evicted.stale:
+                m.child(m.draft_stale, outcome="dropped").inc(evicted.stale)
+            m.draft_cache_evicted.inc(evicted.predrafts)
             if entry.cap == 0:
                 continue
             if entry.drafts is None:
                 m.draft_miss.inc()
-                if entry.contradicted:
-                    m.child(m.draft_stale, outcome="dropped").inc()
-                    self._states[entry.seq.seq_id].drop_contradicted()
-            elif budget > 0 and entry.drafts.salvaged:
-                m.child(m.draft_stale, outcome="salvaged").inc()
+            elif budget > 0:
+                entry.source.used = True
+                if entry.cached:
+                    m.draft_cache_hits.inc()
+                if entry.drafts.salvaged:
+                    m.child(m.draft_stale, outcome="salvaged").inc()
         return plan.within(budget)
 
     def extend(self, seqs: list[Sequence]) -> None:
         """Tell the drafter the tokens these sequences committed, in one update."""
         now = time.perf_counter()
         extends = []
+        owed = False  # an answer: a fresh proposal, unless a held pre-draft covers the new prefix
         for seq in [s for s in seqs if s.finish is None]:
             state = self._states[seq.seq_id]
             if state.told_len and len(seq.token_ids) > state.told_len:
                 extends.append(extend_message(seq, state.told_len))
                 state.told_len, state.told_at = len(seq.token_ids), now
-        self._send(extends=extends)
+                owed |= not state.covers_committed()
+        self._send(extends=extends, answer_owed=owed)
 
     def release(self, seq: Sequence) -> None:
         """Forget the sequence, and close it on the drafter if this stream opened it."""
@@ -162,19 +213,20 @@ class DraftTracker:
     def _planned(self, state: DrafterState) -> PlannedDrafts:
         seq = state.seq
         cap = self._cap(seq)
-        match = state.match(cap)
+        match, source = state.match(cap)
         awaiting = cap > 0 and match.drafts is None and state.answered_len != len(seq.token_ids)
-        return PlannedDrafts(seq=seq, cap=cap, drafts=match.drafts, contradicted=match.contradicted,
-                             awaiting=awaiting)
+        return PlannedDrafts(seq=seq, cap=cap, drafts=match.drafts, awaiting=awaiting, source=source)
 
     def _receive(self, state: DrafterState, msg: drafter_pb2.DraftProposal, now: float) -> None:
         """Note the answer; keep the proposal if it is valid, count it by reason if not."""
         seq = state.seq
-        state.answered_len = max(state.answered_len, min(msg.base_len, len(seq.token_ids)))
+        if not msg.assumed_ids:  # a pre-draft answers the prefix it assumes, once that is committed
+            state.answered_len = max(state.answered_len, min(msg.base_len, len(seq.token_ids)))
         if not msg.token_ids:
             return  # nothing for this prefix
         try:
-            proposal = validate_proposal(msg, seq, self.vocab_size, self.link.max_k, self.link.probs_top_k, now)
+            proposal = validate_proposal(msg, seq, self.vocab_size, self.link.max_k, self.link.probs_top_k, now,
+                                         accepts_assumed=self.policy.accepts_predrafts)
         except InvalidProposal as err:
             self.metrics.child(self.metrics.draft_rejected, reason=err.reason).inc()
             log.debug("dropped a proposal for %s: %s", seq.request_id, err)
@@ -183,17 +235,21 @@ class DraftTracker:
             self.metrics.draft_rtt.observe(now - state.told_at)
             self.policy.observe_draft_rtt(now - state.told_at)
         state.keep(proposal)
+        if proposal.base_len == len(seq.token_ids) and state.covers_committed():
+            state.answered_len = len(seq.token_ids)
 
     def _open(self, state: DrafterState) -> drafter_pb2.SequenceOpen:
         seq = state.seq
         state.told_len, state.told_at = len(seq.token_ids), time.perf_counter()
-        return open_message(seq, min(seq.options.num_speculative_tokens, self.link.max_k))
+        return open_message(seq, min(seq.options.num_speculative_tokens, self.link.max_k),
+                            accepts_assumed=self.policy.accepts_predrafts)
 
     def _send(self, opens: Collection[drafter_pb2.SequenceOpen] = (),
               extends: Collection[drafter_pb2.SequenceExtend] = (),
-              closes: Collection[drafter_pb2.SequenceClose] = ()) -> None:
+              closes: Collection[drafter_pb2.SequenceClose] = (), answer_owed: bool = True) -> None:
+        """answer_owed: whether the drafter owes an answer for the extends (it does for opens, not closes)."""
         if not self.connected or not (opens or extends or closes):
             return
-        if opens or extends:  # the drafter answers these, not Closes
+        if opens or (extends and answer_owed):
             self.policy.observe_update_sent(time.perf_counter())
         self.link.send(drafter_pb2.TargetUpdate(opens=opens, extends=extends, closes=closes))

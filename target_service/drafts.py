@@ -10,12 +10,31 @@ from tandem.v1 import drafter_pb2
 
 @dataclass(frozen=True, slots=True)
 class Proposal:
-    """Validated drafts: tokens[i] is a guess for position base_len + i."""
+    """Validated drafts: tokens[i] is a guess for position base_len + i.
+
+    A pre-draft (from the drafter's speculation cache) also names the tokens it assumes at
+    positions known_len .. base_len - 1, beyond the committed tokens the drafter knew: it is
+    usable only once the committed tokens there equal them.
+    """
 
     base_len: int
     tokens: tuple[int, ...]
     probs: CompressedProbs | None  # [len(tokens), K] q' rows; None when ids suffice
     received_at: float
+    assumed: tuple[int, ...] = ()
+
+    @property
+    def known_len(self) -> int:
+        """The committed prefix the drafter drafted from, before its assumed tokens."""
+        return self.base_len - len(self.assumed)
+
+
+@dataclass(slots=True)
+class HeldProposal:
+    """A proposal the target keeps for a sequence, and whether a step has verified its drafts."""
+
+    proposal: Proposal
+    used: bool = False
 
 
 class InvalidProposal(ValueError):
@@ -33,16 +52,26 @@ def validate_proposal(
     max_k: int,
     probs_top_k: int,
     now: float,
+    accepts_assumed: bool = False,
 ) -> Proposal:
-    """Checks everything the drafter sent for one sequence; raises InvalidProposal."""
-    tokens = tuple(msg.token_ids)
+    """Checks everything the drafter sent for one sequence; raises InvalidProposal.
+
+    accepts_assumed: whether the sequence was opened for pre-drafts; assumed ids are refused otherwise.
+    """
+    tokens, assumed = tuple(msg.token_ids), tuple(msg.assumed_ids)
     if not tokens or len(tokens) > max_k:
         raise InvalidProposal("length", f"{len(tokens)} draft tokens; expected 1 to {max_k}")
-    if max(tokens) >= vocab_size:
-        raise InvalidProposal("token_id", f"draft token {max(tokens)} is outside the vocabulary of {vocab_size}")
-    if not len(seq.prompt_ids) <= msg.base_len <= len(seq.token_ids):
+    if max(tokens + assumed) >= vocab_size:
+        raise InvalidProposal("token_id", f"token {max(tokens + assumed)} is outside the vocabulary of {vocab_size}")
+    if assumed and not accepts_assumed:
+        raise InvalidProposal("assumed", "assumed ids for a sequence not opened for pre-drafts")
+    if len(assumed) > max_k + 1:  # at most k drafts accepted, then one more token
+        raise InvalidProposal("assumed", f"{len(assumed)} assumed ids; expected at most {max_k + 1}")
+    known_len = msg.base_len - len(assumed)
+    if not len(seq.prompt_ids) <= known_len <= len(seq.token_ids):
         raise InvalidProposal(
-            "base_len", f"base_len {msg.base_len} is outside [{len(seq.prompt_ids)}, {len(seq.token_ids)}]"
+            "base_len", f"base_len {msg.base_len} less {len(assumed)} assumed ids is outside "
+                        f"[{len(seq.prompt_ids)}, {len(seq.token_ids)}]"
         )
     probs = None
     if seq.options.needs_draft_probs:
@@ -52,7 +81,7 @@ def validate_proposal(
             probs = unpack(msg.probs, len(tokens), msg.probs_top_k, vocab_size)
         except InvalidDraftProbs as err:
             raise InvalidProposal("probs", str(err)) from err
-    return Proposal(base_len=msg.base_len, tokens=tokens, probs=probs, received_at=now)
+    return Proposal(base_len=msg.base_len, tokens=tokens, probs=probs, received_at=now, assumed=assumed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,31 +104,42 @@ class ProposalMatch:
     """How a proposal meets a sequence's committed tokens."""
 
     drafts: UsableDrafts | None  # the drafts that continue them; None for none
-    contradicted: bool  # drafted from an older prefix that the committed tokens contradict: never usable
+    contradicted: bool  # the committed tokens contradict its assumed tokens or drafts: never usable
+    pending: bool = False  # a pre-draft whose assumed tokens are not all committed yet
+    exhausted: bool = False  # every draft is committed already: all accepted, then the bonus token
+    cached: bool = False  # the drafts come from a pre-draft whose assumed tokens were committed
 
 
 NO_MATCH = ProposalMatch(drafts=None, contradicted=False)
+PENDING = ProposalMatch(drafts=None, contradicted=False, pending=True)
+EXHAUSTED = ProposalMatch(drafts=None, contradicted=False, exhausted=True)
 
 
 def match_proposal(proposal: Proposal, token_ids: list[int], limit: int) -> ProposalMatch:
     """The proposal's drafts that continue the committed tokens, at most `limit`.
 
-    A proposal drafted from an older prefix is still valid where the committed tokens since then
-    equal its first drafts: each draft was drawn given the ones before it (docs/design.md, Stale
-    drafts and salvage). Committed tokens that match every draft and go past them (all accepted,
-    then the bonus token) used the proposal up: no drafts left, but no contradiction either.
-    base_len never exceeds the committed length: validation checks it, and sequences only grow.
+    The proposal's tokens, assumed then drafted, sit at positions known_len on. It is usable
+    where the committed tokens from known_len on equal its first tokens and cover every assumed
+    one: each draft was drawn given the tokens before it, which now equal the committed ones
+    (docs/design.md, Stale drafts and salvage; The speculation cache). Committed tokens that match
+    every draft and go past them (all accepted, then the bonus token) used it up: no drafts left,
+    but no contradiction either. Fewer committed tokens than it assumes: pending.
     """
-    skip = len(token_ids) - proposal.base_len
-    since = tuple(token_ids[proposal.base_len:])
-    overlap = min(skip, len(proposal.tokens))
-    if since[:overlap] != proposal.tokens[:overlap]:
+    proposed = proposal.assumed + proposal.tokens
+    since = tuple(token_ids[proposal.known_len:])
+    overlap = min(len(since), len(proposed))
+    if since[:overlap] != proposed[:overlap]:
         return ProposalMatch(drafts=None, contradicted=True)
+    skip = len(token_ids) - proposal.base_len  # drafts already committed
+    if skip < 0:
+        return PENDING
+    if skip >= len(proposal.tokens):
+        return EXHAUSTED
     tokens = proposal.tokens[skip : skip + max(limit, 0)]
     if not tokens:
         return NO_MATCH
     drafts = UsableDrafts(tokens, _rows(proposal.probs, slice(skip, skip + len(tokens))), salvaged=skip > 0)
-    return ProposalMatch(drafts=drafts, contradicted=False)
+    return ProposalMatch(drafts=drafts, contradicted=False, cached=bool(proposal.assumed))
 
 
 def _rows(probs: CompressedProbs | None, rows: slice) -> CompressedProbs | None:

@@ -50,6 +50,13 @@ class TargetMetrics:
         self.draft_miss = counter("tandem_draft_miss", "Steps where a speculating sequence had no usable draft.")
         self.draft_stale = counter("tandem_draft_stale", "Stale proposals by outcome.", extra=("outcome",))
         self.draft_rejected = counter("tandem_draft_rejected_proposals", "Invalid proposals dropped.", extra=("reason",))
+        self.draft_cache_hits = counter(
+            "tandem_draft_cache_hits", "Steps whose drafts came from a pre-draft: the drafter had them ready.")
+        self.draft_cache_evicted = counter(
+            "tandem_draft_cache_evicted", "Pre-drafts dropped unused: the target committed other tokens than they assumed.")
+        self.draft_cache_held = histogram(
+            "tandem_draft_cache_proposals", "Proposals a sequence held when its step was planned.",
+            buckets=ACCEPTANCE_BUCKETS)
         self.draft_wire_bytes = counter("tandem_draft_wire_bytes", "Bytes of proposals received from the drafter.")
         self.running = gauge("tandem_num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("tandem_num_requests_waiting", "Requests waiting for admission.")

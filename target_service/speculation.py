@@ -31,6 +31,7 @@ class SpeculationPolicy:
 
     admission_ends_wait = True  # a request to admit ends a wait for drafts: waiting never delays a prefill
     drafts_before_publish = False  # committed tokens go to clients at once, without waiting for the next drafts
+    accepts_predrafts = True  # sequences are opened for pre-drafts: the drafter drafts ahead, the target caches
 
     def __init__(self, config: TargetConfig):
         self.max_wait = config.draft_wait_ms / 1000.0
@@ -144,6 +145,7 @@ class SyncPolicy(SpeculationPolicy):
 
     admission_ends_wait = False
     drafts_before_publish = True
+    accepts_predrafts = False  # the blocking baseline drafts only once it knows the committed prefix
 
     def draft_limit(self, batch_size: int, available: list[int]) -> int:
         return max(available, default=0)

@@ -209,12 +209,104 @@ async def test_a_contradicted_proposal_is_dropped_once_and_not_counted_again(mak
     assert h.count("tandem_draft_miss_total") == 2
 
 
-async def test_the_newest_proposal_replaces_an_older_one(make):
+@pytest.mark.parametrize("newest_first", [False, True])
+async def test_of_the_proposals_that_continue_the_tokens_the_one_with_most_drafts_is_verified(make, newest_first):
+    """The target keeps several proposals (the speculation cache); each usable one is a valid draw
+    given the committed tokens, so the step verifies the one with the most drafts left, whatever
+    their order of arrival."""
+    h, seq = await _prefilled(make)
+    proposals = [(N, T[1:3]), (N - 1, (T[0], WRONG))]
+    for proposal in reversed(proposals) if newest_first else proposals:
+        h.propose(seq, *proposal)
+    await h.engine.step()
+    assert h.verified_drafts(seq) == list(T[1:3])
+
+
+async def test_of_two_usable_proposals_with_as_many_drafts_the_newest_is_verified(make):
+    h, seq = await _prefilled(make)
+    h.propose(seq, N, (T[1], WRONG))
+    h.propose(seq, N, (T[1], T[2]))
+    await h.engine.step()
+    assert h.verified_drafts(seq) == list(T[1:3])
+
+
+# ---- the speculation cache: pre-drafts that assume the outcome of the step being verified --------
+
+CACHE_CASES = {
+    # name: the root (base_len, drafts) and pre-drafts [(assumed, drafts)] sent while the root is
+    # verified -> (drafts of the second step, cache hits, pre-drafts evicted unused after three steps)
+    "the bonus outcome is cached": ((N, T[1:3]), [(T[1:4], T[4:8]), ((T[1], WRONG), (1, 2))], (T[4:8], 1, 1)),
+    "a recovered outcome is cached": ((N, (T[1], WRONG)), [((T[1], T[2]), T[3:7]), (T[1:4], (5, 6))], (T[3:7], 1, 1)),
+    "no outcome guessed right": ((N, (T[1], WRONG)), [((T[1], WRONG), (5, 6)), ((WRONG,), (7,))], ((), 0, 2)),
+    "after a plain decode step": ((N, ()), [((T[1],), T[2:6])], (T[2:6], 1, 0)),
+}
+
+
+@pytest.mark.parametrize("root, predrafts, expected", CACHE_CASES.values(), ids=CACHE_CASES.keys())
+async def test_a_step_verifies_the_pre_draft_whose_assumed_tokens_it_committed(make, root, predrafts, expected):
+    second_drafts, hits, evicted = expected
+    h, seq = await _prefilled(make)
+    h.propose(seq, *root)
+    for assumed, drafts in predrafts:  # pre-drafts for outcomes of the root's verification
+        h.propose(seq, N + len(assumed), drafts, assumed_ids=list(assumed))
+    await h.engine.step()  # verifies the root; the pre-drafts are pending until now
+    await h.engine.step()
+    assert h.verified_drafts(seq) == list(second_drafts)
+    await h.engine.step()  # by now every pre-draft is used, or contradicted by what was committed
+    committed = seq.token_ids[N:]
+    assert committed == list(T[1 : 1 + len(committed)])  # greedy output is the target's alone
+    assert h.count("tandem_draft_cache_hits_total") == hits
+    assert h.count("tandem_draft_cache_evicted_total") == evicted
+    assert h.count("tandem_draft_stale_total", outcome="dropped") == 0
+
+
+async def test_a_pre_draft_that_covers_the_committed_tokens_means_no_answer_is_owed(make):
+    """The drafter sends no fresh proposal for a prefix its pre-draft covers, so the Extend for it
+    must not count as unanswered: that would make the target think a working drafter silent."""
     h, seq = await _prefilled(make)
     h.propose(seq, N, T[1:3])
-    h.propose(seq, N - 1, (T[0], WRONG))
+    h.propose(seq, N + 3, T[4:8], assumed_ids=list(T[1:4]))
+    policy = h.engine.policy
+    policy._unanswered_since = None
     await h.engine.step()
-    assert h.verified_drafts(seq) == [WRONG]
+    assert seq.token_ids[N:] == list(T[1:4])
+    assert policy._unanswered_since is None, "an Extend covered by a held pre-draft owes no answer"
+    h.propose(seq, N + 3, T[4:8])  # a plain proposal for the same prefix is an answer, not a pre-draft
+    await h.engine.step()
+    assert h.verified_drafts(seq) == list(T[4:8])
+
+
+ASSUMED_CASES = {
+    # name: (base_len, drafts, assumed) of an invalid pre-draft -> reason
+    "assumes more than k + 1 tokens": (N + 6, (5,), (1, 2, 3, 4, 5, 6), "assumed"),
+    "an assumed id outside the vocabulary": (N + 1, (5,), (VOCAB,), "token_id"),
+    "drafted from a prefix longer than the committed one": (N + 3, (5,), (1,), "base_len"),
+}
+
+
+@pytest.mark.parametrize("base_len, drafts, assumed, reason", ASSUMED_CASES.values(), ids=ASSUMED_CASES.keys())
+async def test_an_invalid_pre_draft_is_dropped_and_counted(make, base_len, drafts, assumed, reason):
+    h, seq = await _prefilled(make)
+    h.propose(seq, base_len, drafts, assumed_ids=list(assumed))
+    assert h.count("tandem_draft_rejected_proposals_total", reason=reason) == 1
+
+
+async def test_the_synchronous_baseline_takes_no_pre_drafts(make):
+    h = make(sync_speculation=True)
+    seq = h.submit()
+    h.engine.tracker.admit([seq])  # what the step's admission does, without its synchronous wait
+    [open_msg] = h.link.updates[0].opens
+    assert not open_msg.accepts_assumed
+    h.engine.tracker.on_proposals(drafter_pb2.DraftProposals(proposals=[drafter_pb2.DraftProposal(
+        seq_id=seq.seq_id, base_len=len(PROMPT) + 1, token_ids=[5], assumed_ids=[T[0]])]), 0)
+    assert h.count("tandem_draft_rejected_proposals_total", reason="assumed") == 1
+
+
+async def test_the_asynchronous_target_opens_sequences_for_pre_drafts(make):
+    h = make()
+    h.submit()
+    await h.engine.step()
+    assert [o.accepts_assumed for o in h.link.updates[0].opens] == [True]
 
 
 # ---- how many: each sequence's cap, then the step's budget ---------------------------------------

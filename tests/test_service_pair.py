@@ -78,7 +78,8 @@ def test_greedy_with_model_drafter_is_token_identical(model_pair):
 
 
 def test_a_target_that_keeps_no_predrafts_is_sent_none(model_pair):
-    """Today's target opens its sequences without accepts_assumed: the drafter drafts for it as before."""
+    """The synchronous baseline opens its sequences without accepts_assumed: the drafter drafts
+    only for the committed prefixes it is told, as before the speculation cache."""
     draft, target = model_pair
     run_requests(target.address, [greedy_request(p, MAX_TOKENS) for p in PROMPTS[:2]])
     drafter_samples, target_samples = scrape(draft.metrics_url), scrape(target.metrics_url)
@@ -86,6 +87,21 @@ def test_a_target_that_keeps_no_predrafts_is_sent_none(model_pair):
     assert metric(drafter_samples, "tandem_draft_proposals_total") > 0
     assert metric(drafter_samples, "tandem_draft_predraft_proposals_total") == 0
     assert metric(target_samples, "tandem_draft_rejected_proposals_total", reason="base_len") == 0
+
+
+# The asynchronous default: sequences opened for pre-drafts, the target caching them.
+cached_pair = _pair_fixture("model", ["--dtype", "bfloat16"])
+
+
+def test_greedy_with_cached_pre_drafts_is_token_identical(cached_pair):
+    draft, target = cached_pair
+    before = scrape(target.metrics_url)
+    _greedy_identity(target)
+    after_target, after_draft = scrape(target.metrics_url), scrape(draft.metrics_url)
+    hits = (metric(after_target, "tandem_draft_cache_hits_total")
+            - metric(before, "tandem_draft_cache_hits_total"))
+    assert metric(after_draft, "tandem_draft_predraft_proposals_total") > 0
+    assert hits > 0, "no step verified a pre-draft: the cache was not exercised"
 
 
 def test_ttft_does_not_wait_for_a_slow_drafter(tmp_path_factory):
