@@ -66,11 +66,13 @@ def test_kernel_equals_reference_at_ragged_positions(device, dtype, head_dim, gr
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_kernel_reads_queries_through_strides(device):
-    """The decoder hands q as a view into its fused QKV projection: rows wider than heads * head_dim."""
-    q, k_cache, v_cache, slot_ids, positions = _inputs(2, 5, 2, 4, 64, torch.float32, [20, 77])
-    fused = torch.cat([q, torch.randn(2, 5, 4, 64)], dim=2)  # [B, T, heads + 2 * kv_heads, head_dim]
-    view = fused[:, :, :8]
+@pytest.mark.parametrize("num_new", [1, 5])
+def test_kernel_reads_queries_through_strides(device, num_new):
+    """The decoder hands q as a view into its fused QKV projection: rows wider than heads * head_dim
+    (and with T = 1, a token stride that view() chose freely)."""
+    q, k_cache, v_cache, slot_ids, positions = _inputs(2, num_new, 2, 4, 64, torch.float32, [20, 77])
+    fused = torch.cat([q.view(2 * num_new, 8, 64), torch.randn(2 * num_new, 4, 64)], dim=1)  # [B*T, 12, 64]
+    view = fused[:, :8].view(2, num_new, 8, 64)
     assert not view.is_contiguous()
     expected = slot_attention_reference(q, k_cache, v_cache, slot_ids, positions)
     got = _launch(device, view, k_cache, v_cache, slot_ids, positions)
@@ -116,8 +118,8 @@ def test_kernel_compiles_for_sm90():
             for head_dim in (64, 128):
                 signature = {"out_ptr": f"*{dtype}", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
                              "v_ptr": f"*{dtype}", "slot_ids_ptr": "*i64", "positions_ptr": "*i64",
-                             "num_new": "i32", "group": "i32", "scale": "fp32", "q_row_stride": "i32",
-                             "q_head_stride": "i32", "cache_slot_stride": "i64", "cache_head_stride": "i32",
+                             "num_new": "i32", "group": "i32", "scale": "fp32", "q_batch_stride": "i32",
+                             "q_token_stride": "i32", "q_head_stride": "i32", "cache_slot_stride": "i64", "cache_head_stride": "i32",
                              "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr"}
                 ordered = {name: signature[name] for name in kernel.arg_names}
                 source = ASTSource(kernel, ordered, {"HEAD_DIM": head_dim, "BLOCK_N": 64})

@@ -24,9 +24,15 @@ except ImportError:  # CPU-only installs run the reference and never launch the 
     triton = None
     tl = None
 
+KERNEL_AVAILABLE = triton is not None
 # The interpreter pays per loop iteration, a GPU for registers: fewer, larger blocks on CPU.
 INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_KEYS = 128 if INTERPRETED else 64
+
+
+def kernel_supports(head_dim: int) -> bool:
+    """Whether the Triton kernel can run heads of this size (it takes whole power-of-two rows)."""
+    return KERNEL_AVAILABLE and head_dim & (head_dim - 1) == 0
 
 
 def slot_attention(
@@ -36,7 +42,7 @@ def slot_attention(
     slot_ids: torch.Tensor,  # [B] int64
     positions: torch.Tensor,  # [B, T] int64, each < max_len
 ) -> torch.Tensor:
-    """Returns [B, T, heads, head_dim] in q's dtype. Positions are not checked (that would sync)."""
+    """Returns [B, T, heads, head_dim], contiguous, in q's dtype. Positions are not checked (that would sync)."""
     check_slot_attention_args(q, k_cache, v_cache, slot_ids, positions)
     if q.is_cuda:
         return slot_attention_triton(q, k_cache, v_cache, slot_ids, positions)
@@ -58,9 +64,8 @@ def check_slot_attention_args(q, k_cache, v_cache, slot_ids, positions) -> None:
         problems.append(f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype} differ")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         problems.append("the K/V caches must be contiguous")
-    # The kernel addresses query (b, t) as row b * T + t with one row stride.
-    if q.stride(3) != 1 or q.stride(0) != num_new * q.stride(1):
-        problems.append(f"q strides {q.stride()}: rows must be evenly spaced, head_dim contiguous")
+    if q.stride(3) != 1:
+        problems.append(f"q strides {q.stride()}: head_dim must be contiguous")
     if slot_ids.shape != (batch,) or positions.shape != (batch, num_new):
         problems.append(f"slot_ids {list(slot_ids.shape)} / positions {list(positions.shape)} for B={batch}, T={num_new}")
     if slot_ids.dtype != torch.int64 or positions.dtype != torch.int64 or not positions.is_contiguous():
@@ -83,12 +88,12 @@ def slot_attention_reference(q, k_cache, v_cache, slot_ids, positions) -> torch.
     visible = torch.arange(max_len, device=q.device) <= positions.unsqueeze(-1)  # [B, T, max_len]
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     out = scores.softmax(dim=-1) @ v.unsqueeze(2)  # [B, kv_heads, G, T, head_dim]
-    return out.permute(0, 3, 1, 2, 4).reshape(batch, num_new, heads, head_dim).to(q.dtype)
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, num_new, heads, head_dim).to(q.dtype).contiguous()
 
 
 def slot_attention_triton(q, k_cache, v_cache, slot_ids, positions) -> torch.Tensor:
     """Launch `_slot_attention_kernel`, one program per (query row, head)."""
-    if triton is None:
+    if not KERNEL_AVAILABLE:
         raise RuntimeError("triton is not installed: slot attention on CUDA needs it (pip install 'triton>=3.6')")
     batch, num_new, heads, head_dim = q.shape
     out = torch.empty(batch, num_new, heads, head_dim, dtype=q.dtype, device=q.device)
@@ -96,7 +101,7 @@ def slot_attention_triton(q, k_cache, v_cache, slot_ids, positions) -> torch.Ten
     _slot_attention_kernel[grid](
         out, q, k_cache, v_cache, slot_ids, positions,
         num_new, heads // k_cache.shape[1], head_dim**-0.5,
-        q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
         HEAD_DIM=head_dim, BLOCK_N=BLOCK_KEYS,
     )
     return out
@@ -110,16 +115,18 @@ def _jit(fn):
 def _slot_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, slot_ids_ptr, positions_ptr,
     num_new, group, scale,
-    q_row_stride, q_head_stride, cache_slot_stride, cache_head_stride,
+    q_batch_stride, q_token_stride, q_head_stride, cache_slot_stride, cache_head_stride,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """out[row, head] = softmax(q k^T * scale) v over keys 0..positions[row] of the row's slot."""
     row = tl.program_id(0)  # b * num_new + t
     head = tl.program_id(1)
-    slot = tl.load(slot_ids_ptr + row // num_new).to(tl.int64)
+    batch = row // num_new
+    slot = tl.load(slot_ids_ptr + batch).to(tl.int64)
     last_key = tl.load(positions_ptr + row).to(tl.int32)
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + row.to(tl.int64) * q_row_stride + head * q_head_stride + dims).to(tl.float32) * scale
+    q_offset = batch.to(tl.int64) * q_batch_stride + (row % num_new) * q_token_stride + head * q_head_stride
+    q = tl.load(q_ptr + q_offset + dims).to(tl.float32) * scale
     slot_offset = slot * cache_slot_stride + (head // group) * cache_head_stride
     k_rows = k_ptr + slot_offset
     v_rows = v_ptr + slot_offset
