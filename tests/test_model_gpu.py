@@ -84,8 +84,16 @@ def test_rollback_then_decode_equals_never_having_seen_rejected_tokens(model_1b)
     torch.testing.assert_close(got, want, atol=BF16_ATOL, rtol=0.05)
 
 
+# Per logits row, ||graphed - eager|| / ||eager||. Measured on CPU in bf16 on this random 1B: 0.016
+# from rounding alone; a query one position off gives 0.14, one key missing from its context 0.15.
+# (Elementwise tolerances do not fit: the tied, unscaled embedding makes logits of std ~45.)
+GRAPHED_REL_ERROR = 0.05
+
+
 def _on_both(graphed, eager, chunks: list[SequenceChunk]) -> None:
-    torch.testing.assert_close(graphed.run(chunks), eager.run(chunks), atol=BF16_ATOL, rtol=0.05)
+    got, want = graphed.run(chunks), eager.run(chunks)  # [rows, vocab]
+    error = (got - want).norm(dim=1) / want.norm(dim=1)
+    assert float(error.max()) < GRAPHED_REL_ERROR, error.tolist()
 
 
 def test_graphed_decode_and_verify_equal_the_eager_path(model_1b, eager_1b):

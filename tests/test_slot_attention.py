@@ -71,12 +71,13 @@ def test_kernel_reads_queries_through_strides(device, num_new):
     """The decoder hands q as a view into its fused QKV projection: rows wider than heads * head_dim
     (and with T = 1, a token stride that view() chose freely)."""
     q, k_cache, v_cache, slot_ids, positions = _inputs(2, num_new, 2, 4, 64, torch.float32, [20, 77])
-    fused = torch.cat([q.view(2 * num_new, 8, 64), torch.randn(2 * num_new, 4, 64)], dim=1)  # [B*T, 12, 64]
-    view = fused[:, :8].view(2, num_new, 8, 64)
-    assert not view.is_contiguous()
     expected = slot_attention_reference(q, k_cache, v_cache, slot_ids, positions)
-    got = _launch(device, view, k_cache, v_cache, slot_ids, positions)
-    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+    fused = torch.cat([q.view(2 * num_new, 8, 64), torch.randn(2 * num_new, 4, 64)], dim=1)  # [B*T, 12, 64]
+    view = fused.to(device)[:, :8].view(2, num_new, 8, 64)  # sliced on the device: .cuda() would compact it
+    assert not view.is_contiguous()
+    launch = slot_attention_triton if device == "cpu" else slot_attention
+    got = launch(view, *(t.to(device) for t in (k_cache, v_cache, slot_ids, positions)))
+    torch.testing.assert_close(got.cpu(), expected, **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("group", [1, 3])
