@@ -42,16 +42,16 @@ def weights_1b():
 
 @pytest.fixture(scope="module")
 def model_1b(weights_1b):
-    """CUDA graphs for decode and verify steps: build_model's default on CUDA."""
+    """Every step on the dynamic path, which the cache tests below were written for."""
     return build_model(SHAPES["llama-3.2-1b"], weights_1b, dtype=torch.bfloat16, device=CUDA, num_slots=4,
-                       max_model_len=512)
+                       max_model_len=512, cuda_graphs=False)
 
 
 @pytest.fixture(scope="module")
-def eager_1b(weights_1b):
-    """The same weights (shared, not copied) without graphs: every step on the dynamic path."""
+def graphed_1b(weights_1b):
+    """The same weights (shared, not copied) with CUDA graphs for decode and verify: CUDA's default."""
     return build_model(SHAPES["llama-3.2-1b"], weights_1b, dtype=torch.bfloat16, device=CUDA, num_slots=4,
-                       max_model_len=512, cuda_graphs=False)
+                       max_model_len=512)
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -96,29 +96,29 @@ def _on_both(graphed, eager, chunks: list[SequenceChunk]) -> None:
     assert float(error.max()) < GRAPHED_REL_ERROR, error.tolist()
 
 
-def test_graphed_decode_and_verify_equal_the_eager_path(model_1b, eager_1b):
+def test_graphed_decode_and_verify_equal_the_eager_path(graphed_1b, model_1b):
     prompts = {2: _ids(17, 6), 0: _ids(40, 7), 3: _ids(5, 8)}  # 3 sequences: padded to bucket 4
     for slot, prompt in prompts.items():
-        _on_both(model_1b, eager_1b, [SequenceChunk(slot, 0, prompt)])
+        _on_both(graphed_1b, model_1b, [SequenceChunk(slot, 0, prompt)])
     lengths = {slot: len(p) for slot, p in prompts.items()}
     for step in range(3):
-        _on_both(model_1b, eager_1b, [SequenceChunk(s, n + step, _ids(1, 10 * step + s)) for s, n in lengths.items()])
+        _on_both(graphed_1b, model_1b, [SequenceChunk(s, n + step, _ids(1, 10 * step + s)) for s, n in lengths.items()])
     verify = [SequenceChunk(s, n + 3, _ids(5, 50 + s), num_logits=5) for s, n in lengths.items()]
-    _on_both(model_1b, eager_1b, verify)
-    runner = model_1b.decoder.static_steps
+    _on_both(graphed_1b, model_1b, verify)
+    runner = graphed_1b.decoder.static_steps
     assert runner.use_graphs and runner.steps_run[(4, 1)] >= 3 and runner.steps_run[(4, 5)] >= 1
-    assert eager_1b.decoder.static_steps is None
+    assert model_1b.decoder.static_steps is None
 
 
-def test_graphs_replay_as_positions_move_and_are_captured_once(model_1b, eager_1b):
+def test_graphs_replay_as_positions_move_and_are_captured_once(graphed_1b, model_1b):
     prompt = _ids(60, 9)
-    _on_both(model_1b, eager_1b, [SequenceChunk(1, 0, prompt)])
-    _on_both(model_1b, eager_1b, [SequenceChunk(1, 60, [prompt[-1]])])
-    runner = model_1b.decoder.static_steps
+    _on_both(graphed_1b, model_1b, [SequenceChunk(1, 0, prompt)])
+    _on_both(graphed_1b, model_1b, [SequenceChunk(1, 60, [prompt[-1]])])
+    runner = graphed_1b.decoder.static_steps
     graphs, replays = runner.num_graphs, runner.steps_run[(1, 1)]
     for position in range(61, 61 + 24):  # across a 64-key block edge of the attention kernel
-        _on_both(model_1b, eager_1b, [SequenceChunk(1, position, _ids(1, position))])
+        _on_both(graphed_1b, model_1b, [SequenceChunk(1, position, _ids(1, position))])
     for start in range(85, 85 + 4 * 5, 5):
-        _on_both(model_1b, eager_1b, [SequenceChunk(1, start, _ids(5, start), num_logits=5)])
+        _on_both(graphed_1b, model_1b, [SequenceChunk(1, start, _ids(5, start), num_logits=5)])
     assert runner.steps_run[(1, 1)] == replays + 24
     assert runner.num_graphs <= graphs + 1  # the verify graph (1, 5), if no earlier test captured it

@@ -102,6 +102,8 @@ def test_wrapper_rejects_what_the_kernel_would_misread():
         slot_attention(q[:, :, :3], k_cache, v_cache, slot_ids, positions)
     with pytest.raises(ValueError, match="int64"):
         slot_attention(q, k_cache, v_cache, slot_ids.int(), positions)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        slot_attention(q, k_cache, v_cache, torch.stack([slot_ids, slot_ids], dim=1)[:, 0], positions)
     with pytest.raises(ValueError, match="positions"):
         slot_attention(q, k_cache, v_cache, slot_ids, positions[:1])
 
@@ -120,7 +122,8 @@ def test_kernel_compiles_for_sm90():
                 signature = {"out_ptr": f"*{dtype}", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
                              "v_ptr": f"*{dtype}", "slot_ids_ptr": "*i64", "positions_ptr": "*i64",
                              "num_new": "i32", "group": "i32", "scale": "fp32", "q_batch_stride": "i32",
-                             "q_token_stride": "i32", "q_head_stride": "i32", "cache_slot_stride": "i64", "cache_head_stride": "i32",
+                             "q_token_stride": "i32", "q_head_stride": "i32", "cache_slot_stride": "i64",
+                             "cache_head_stride": "i32",
                              "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr"}
                 ordered = {name: signature[name] for name in kernel.arg_names}
                 source = ASTSource(kernel, ordered, {"HEAD_DIM": head_dim, "BLOCK_N": 64})

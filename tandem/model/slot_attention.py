@@ -67,9 +67,11 @@ def check_slot_attention_args(q, k_cache, v_cache, slot_ids, positions) -> None:
     if q.stride(3) != 1:
         problems.append(f"q strides {q.stride()}: head_dim must be contiguous")
     if slot_ids.shape != (batch,) or positions.shape != (batch, num_new):
-        problems.append(f"slot_ids {list(slot_ids.shape)} / positions {list(positions.shape)} for B={batch}, T={num_new}")
-    if slot_ids.dtype != torch.int64 or positions.dtype != torch.int64 or not positions.is_contiguous():
-        problems.append("slot_ids and positions must be int64, positions contiguous")
+        problems.append(f"slot_ids {list(slot_ids.shape)} / positions {list(positions.shape)} "
+                        f"for B={batch}, T={num_new}")
+    index_tensors = (slot_ids, positions)
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index_tensors):
+        problems.append("slot_ids and positions must be contiguous int64")
     if len({t.device for t in (q, k_cache, v_cache, slot_ids, positions)}) != 1:
         problems.append("all tensors must be on one device")
     if problems:
