@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             report.errors.append(f"{name}: skipped, past the {config.budget_s} s budget")
             print(report.errors[-1], flush=True)
             return
+        print(f"== {name}", flush=True)
         try:
             fn()
         except Exception as error:  # a part's failure is reported, and the next part runs
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if config.tests:
         part("tests", lambda: report.tests.update(run_gpu_tests(config.test_timeout_s)))
-    part("bandwidth", lambda: setattr(report, "bandwidth_gb_s", copy_bandwidth_gb_s(torch.device(config.device))))
+    part("bandwidth", lambda: _measure_bandwidth(report, torch.device(config.device)))
     part("steps", lambda: run_step_rows(config, report, start))
     print(format_table(report), flush=True)
     print(f"wrote {out} ({report.seconds} s)", flush=True)
@@ -117,9 +118,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _device_name(device: str) -> str:
-    if device == "cuda" and torch.cuda.is_available():
+    if device != "cuda":
+        return device
+    try:
         return torch.cuda.get_device_name()
-    return device
+    except Exception as error:  # no usable device: the parts will say what fails
+        return f"cuda unavailable ({type(error).__name__}: {error})"
 
 
 def _triton_version() -> str:
@@ -131,8 +135,16 @@ def _triton_version() -> str:
 
 
 def _write(report: Report, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    except OSError as error:  # the printed table still carries the results
+        print(f"could not write {out}: {error}", flush=True)
+
+
+def _measure_bandwidth(report: Report, device: torch.device) -> None:
+    report.bandwidth_gb_s = copy_bandwidth_gb_s(device)
+    print(f"copy bandwidth: {report.bandwidth_gb_s:.0f} GB/s", flush=True)
 
 
 def gpu_test_files() -> list[str]:
