@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test test-all bench bench-model clean
+.PHONY: install demo test test-all bench bench-model gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,13 @@ bench: install
 
 bench-model: install
 	HF_HUB_OFFLINE=1 $(PY) bench/model_speed.py
+
+# On a CUDA machine (issue 13): the `-m gpu` tests, then bf16 decode and verify speed with and
+# without CUDA graphs. Not on `install`: a GPU machine runs it with its own python (torch,
+# triton, pytest), without the venv.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=. HF_HUB_OFFLINE=1 $(GPU_PYTHON) -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) build *.egg-info

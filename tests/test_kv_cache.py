@@ -12,14 +12,17 @@ from tandem.model.random_weights import SHAPES, random_weights
 ATOL = 1e-4
 
 
-@pytest.fixture(params=[(shape, backend) for shape in ("tiny", "tiny-qwen2") for backend in ("torch", "auto")],
+@pytest.fixture(params=[(shape, backend) for shape in ("tiny", "tiny-qwen2") for backend in ("torch", "auto", "static")],
                 ids=lambda p: "-".join(p))
 def model(request):
-    """The PyTorch decoder, and the native CPU decoder where this CPU runs it."""
+    """The PyTorch decoder, the native CPU decoder where this CPU runs it, and the PyTorch decoder
+    with static-shape decode and verify steps (the CUDA graph path, run eagerly)."""
     shape, backend = request.param
     config = SHAPES[shape]
+    static = backend == "static"
     return build_model(config, random_weights(config, seed=3), dtype=torch.float32,
-                       device=torch.device("cpu"), num_slots=4, max_model_len=128, backend=backend)
+                       device=torch.device("cpu"), num_slots=4, max_model_len=128,
+                       backend="torch" if static else backend, cuda_graphs=static)
 
 
 def _tokens(n: int, seed: int) -> list[int]:

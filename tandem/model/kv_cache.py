@@ -18,6 +18,9 @@ class KVCache:
     head_dim, key_block]: blocks of positions stored transposed, so that the scores of a block are
     key_block-wide vector operations. `positions` is max_len rounded up to whole blocks.
 
+    With `spare_slot`, the tensors hold one more slot, `padding_slot`, that allocate() never hands
+    out: the padding rows of static-shape steps (static_steps.py) write their K/V there.
+
     A sequence's length lives with its owner (the scheduler), not here: rolling back rejected
     positions only shortens that length, and later writes overwrite the stale entries.
     """
@@ -30,11 +33,14 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         key_block: int | None = None,
+        spare_slot: bool = False,
     ):
         self.positions = max_len if key_block is None else -(-max_len // key_block) * key_block
-        v_shape = (num_slots, config.num_kv_heads, self.positions, config.head_dim)
+        self.padding_slot = num_slots if spare_slot else None
+        slots = num_slots + (1 if spare_slot else 0)
+        v_shape = (slots, config.num_kv_heads, self.positions, config.head_dim)
         k_shape = v_shape if key_block is None else (
-            num_slots, config.num_kv_heads, self.positions // key_block, config.head_dim, key_block)
+            slots, config.num_kv_heads, self.positions // key_block, config.head_dim, key_block)
         # Zeros, not empty: masked-out entries are multiplied by a zero weight, and 0 * NaN = NaN.
         self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]

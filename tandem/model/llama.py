@@ -12,6 +12,7 @@ from tandem.model.batch import SequenceChunk
 from tandem.model.kv_cache import KVCache
 from tandem.model.native_decoder import NativeBatch, NativeDecoder, supports as native_supports
 from tandem.model.rope import RotaryEmbedding, rope_inv_freq
+from tandem.model.slot_attention import kernel_supports
 from tandem.model.torch_decoder import TorchDecoder
 
 # auto: the native CPU decoder where it runs, else PyTorch; torch: always PyTorch (the reference).
@@ -59,7 +60,8 @@ class LlamaModel:
     """Runs mixed batches of prefill, decode and verify chunks against a slot KV cache.
 
     The work is done by the native CPU decoder (csrc/decoder.c) or by the PyTorch decoder, the
-    reference and the CUDA path; `backend` in build_model chooses.
+    reference and the CUDA path; `backend` in build_model chooses, and `cuda_graphs` whether the
+    PyTorch decoder runs decode and verify steps as CUDA graphs.
     """
 
     def __init__(self, config: ModelConfig, kv_cache: KVCache, decoder: NativeDecoder | TorchDecoder,
@@ -128,19 +130,30 @@ def build_model(
     num_slots: int,
     max_model_len: int,
     backend: Backend = "auto",
+    cuda_graphs: bool | None = None,
 ) -> LlamaModel:
-    """backend "native" insists on the native decoder (ValueError where it can't run)."""
+    """backend "native" insists on the native decoder (ValueError where it can't run).
+
+    cuda_graphs: uniform decode and verify steps through the static-shape forward, captured as
+    CUDA graphs (static_steps.py). None: on for CUDA where the Triton kernel runs. True on CPU runs
+    the same static forward eagerly, with the PyTorch decoder: what the CPU tests check.
+    """
     device = torch.device(device)
-    use_native = backend != "torch" and native_supports(config, dtype, device)
+    static_steps = cuda_graphs if cuda_graphs is not None else (
+        device.type == "cuda" and kernel_supports(config.head_dim))
+    if static_steps and backend == "native":
+        raise ValueError("cuda_graphs runs the PyTorch decoder: ask for backend 'torch' or 'auto'")
+    use_native = backend != "torch" and not static_steps and native_supports(config, dtype, device)
     if backend == "native" and not use_native:
         raise ValueError(f"the native CPU decoder can't run this model on {device} in {dtype}")
     weights = weights.to(dtype, device)
     cache = KVCache(config, num_slots=num_slots, max_len=max_model_len, dtype=dtype, device=device,
-                    key_block=native.KEY_BLOCK if use_native else None)
+                    key_block=native.KEY_BLOCK if use_native else None, spare_slot=static_steps)
     inv_freq = weights.rope_inv_freq if weights.rope_inv_freq is not None else rope_inv_freq(config)
     if use_native:
         rope = RotaryEmbedding(inv_freq, cache.positions, torch.float32, device)
         decoder = NativeDecoder(config, weights, cache, rope.cos, rope.sin, native.load())
     else:
-        decoder = TorchDecoder(config, weights, cache, RotaryEmbedding(inv_freq, max_model_len, dtype, device))
+        rope = RotaryEmbedding(inv_freq, max_model_len, dtype, device)
+        decoder = TorchDecoder(config, weights, cache, rope, static_steps=static_steps)
     return LlamaModel(config, cache, decoder, device, dtype)

@@ -11,6 +11,8 @@ from tandem.model.attention import attend, write_kv
 from tandem.model.batch import ForwardBatch, SequenceChunk
 from tandem.model.kv_cache import KVCache
 from tandem.model.rope import RotaryEmbedding
+from tandem.model.slot_attention import slot_attention
+from tandem.model.static_steps import StaticStepRunner, UniformBatch
 
 
 @dataclass(slots=True)
@@ -25,10 +27,16 @@ class _Layer:
 
 
 class TorchDecoder:
-    """One forward pass = ~20 ATen calls per layer; GQA folds the query heads that share a KV head."""
+    """One forward pass = ~20 ATen calls per layer; GQA folds the query heads that share a KV head.
 
-    def __init__(self, config: ModelConfig, weights, kv_cache: KVCache, rope: RotaryEmbedding):
-        """weights: ModelWeights already on the device, in the compute dtype."""
+    With `static_steps`, decode and verify steps of uniform batches run through forward_uniform,
+    replayed as CUDA graphs on CUDA (static_steps.py); prefills and mixed batches stay dynamic.
+    """
+
+    def __init__(self, config: ModelConfig, weights, kv_cache: KVCache, rope: RotaryEmbedding,
+                 static_steps: bool = False):
+        """weights: ModelWeights already on the device, in the compute dtype; static_steps needs a
+        KV cache with a spare slot."""
         self.config = config
         self.kv_cache = kv_cache
         self.rope = rope
@@ -40,11 +48,18 @@ class TorchDecoder:
         self._lm_head = weights.lm_head
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
+        self.static_steps = StaticStepRunner(self, kv_cache) if static_steps else None
 
-    def build_batch(self, chunks: list[SequenceChunk]) -> ForwardBatch:
+    def build_batch(self, chunks: list[SequenceChunk]) -> ForwardBatch | UniformBatch:
+        if self.static_steps is not None and self.static_steps.accepts(chunks):
+            return UniformBatch(chunks, len(chunks[0].token_ids))
         return ForwardBatch.build(chunks, self.config.queries_per_kv, self.device)
 
-    def forward(self, batch: ForwardBatch, want_hidden: bool = False) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch | UniformBatch, want_hidden: bool = False) -> torch.Tensor:
+        if isinstance(batch, UniformBatch):
+            if not want_hidden:
+                return self.static_steps.run(batch)
+            batch = ForwardBatch.build(batch.chunks, self.config.queries_per_kv, self.device)
         hidden = F.embedding(batch.input_ids, self._embed)  # [T, hidden]
         for index, layer in enumerate(self._layers):
             hidden = self._layer(index, layer, hidden, batch)
@@ -60,19 +75,54 @@ class TorchDecoder:
             return F.rms_norm(x, weight.shape, weight, eps)
         return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
 
+    def forward_uniform(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T]
+        slot_ids: torch.Tensor,  # [B]
+    ) -> torch.Tensor:
+        """float32 logits [B * T, head_rows] of B sequences with T new tokens each, at every token.
+
+        Every shape follows from (B, T) alone, and nothing reads a tensor back to the host, so a
+        CUDA graph of it replays for any positions and slots written into the same input tensors.
+        """
+        batch, num_new = input_ids.shape
+        cfg = self.config
+        flat_positions = positions.reshape(-1)  # [B*T]
+        token_slots = slot_ids[:, None].expand(batch, num_new).reshape(-1)  # [B*T]
+        hidden = F.embedding(input_ids.reshape(-1), self._embed)  # [B*T, hidden]
+        for index, layer in enumerate(self._layers):
+            q, k, v = self._attention_inputs(layer, hidden, flat_positions)
+            k_cache, v_cache = self.kv_cache.k[index], self.kv_cache.v[index]
+            k_cache[token_slots, :, flat_positions] = k
+            v_cache[token_slots, :, flat_positions] = v
+            queries = q.view(batch, num_new, cfg.num_heads, cfg.head_dim)
+            attn = slot_attention(queries, k_cache, v_cache, slot_ids, positions)  # [B, T, heads, head_dim]
+            hidden = self._layer_output(layer, hidden, attn.view(batch * num_new, -1))
+        return self.logits(self._norm(hidden, self._final_norm))
+
     def _layer(self, index: int, w: _Layer, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self._attention_inputs(w, hidden, batch.positions)
+        k_cache, v_cache = self.kv_cache.k[index], self.kv_cache.v[index]
+        write_kv(k_cache, v_cache, k, v, batch.positions, batch.attn)
+        attn = attend(q, k_cache, v_cache, batch.attn)  # [T, heads * head_dim]
+        return self._layer_output(w, hidden, attn)
+
+    def _attention_inputs(
+        self, w: _Layer, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim] of hidden [T, hidden], q and k rotated."""
         cfg = self.config
         num_tokens = hidden.shape[0]
         x = self._norm(hidden, w.attn_norm)
         qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (heads + 2 * kv_heads) * head_dim]
         qk = qkv[:, : self._q_size + self._kv_size].view(num_tokens, -1, cfg.head_dim)
-        qk = self.rope.apply(qk, batch.positions)  # [T, heads + kv_heads, head_dim]
-        q = qk[:, : cfg.num_heads]
-        k = qk[:, cfg.num_heads :]
+        qk = self.rope.apply(qk, positions)  # [T, heads + kv_heads, head_dim]
         v = qkv[:, self._q_size + self._kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        k_cache, v_cache = self.kv_cache.k[index], self.kv_cache.v[index]
-        write_kv(k_cache, v_cache, k, v, batch.positions, batch.attn)
-        attn = attend(q, k_cache, v_cache, batch.attn)  # [T, heads * head_dim]
+        return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
+
+    def _layer_output(self, w: _Layer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the O projection and the MLP; attn [T, heads * head_dim]."""
         hidden = hidden + F.linear(attn, w.o)
         x = self._norm(hidden, w.mlp_norm)
         gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
