@@ -9,6 +9,7 @@ drafter needs no locks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 from kernels.compression import CompressedProbs, pack
@@ -129,6 +130,11 @@ def make_draft(job: DraftJob, token_ids: list[int], compressed: CompressedProbs 
     return draft
 
 
+def never() -> bool:
+    """A `stop` for rounds that run to the end."""
+    return False
+
+
 class Drafter(Protocol):
     """A source of draft tokens; every method runs on the drafting thread."""
 
@@ -145,7 +151,9 @@ class Drafter(Protocol):
         """The target committed these tokens (all of them, prompt included): state kept for outcomes
         that did not happen may go, state drafted for the one that did is kept."""
 
-    def draft(self, jobs: list[DraftJob]) -> list[Draft]:
+    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Draft]:
         """Up to each job's k draft tokens, batched; jobs with nothing to propose may be left out.
 
-        A pre-draft job (job.is_predraft) may also be left out when the drafter has no room for it."""
+        A pre-draft job (job.is_predraft) may also be left out when the drafter has no room for it.
+        stop: polled between forward passes; once it says so, return the drafts made so far (fewer
+        than k each, none for a job without one yet), so that fresh work need not wait a whole round."""

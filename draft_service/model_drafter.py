@@ -15,11 +15,12 @@ carries the drafter's guess at each recovered token: its most likely token other
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.drafter import Draft, DraftJob, Sampling, SeqKey, make_draft
+from draft_service.drafter import Draft, DraftJob, Sampling, SeqKey, make_draft, never
 from draft_service.kv_slots import SlotState, SlotTable, common_prefix_len
 from draft_service.metrics import DraftMetrics
 from kernels.compression import CompressedProbs, encode, sample_compressed
@@ -181,7 +182,7 @@ class ModelDrafter:
         return min(job.sequence.k, self.model.max_len + 1 - job.base_len)
 
     @torch.inference_mode()
-    def draft(self, jobs: list[DraftJob]) -> list[Draft]:
+    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Draft]:
         rows = self._rows(jobs)
         if not rows:
             return []
@@ -190,10 +191,10 @@ class ModelDrafter:
         while True:
             self._advance(active, logits)
             active = [row for row in active if not row.finished]
-            if not active:
+            if not active or stop():
                 break
             logits = self._feed(active)  # [len(active), V]
-        return [row.draft() for row in rows if not row.job.sequence.closed]
+        return [row.draft() for row in rows if not row.job.sequence.closed and row.token_ids]
 
     def _rows(self, jobs: list[DraftJob]) -> list[Row]:
         """A slot for each job: the sequence's own, or a scratch slot for a pre-draft (left out when none is free)."""

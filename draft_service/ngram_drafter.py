@@ -9,11 +9,13 @@ as the lookup's next token after d_k, and skips that outcome too when the lookup
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from draft_service.drafter import Draft, DraftJob, SeqKey, make_draft
+from draft_service.drafter import Draft, DraftJob, SeqKey, make_draft, never
 from kernels.compression import ONE, CompressedProbs
 
 
@@ -55,7 +57,8 @@ class NgramDrafter:
     def settle(self, key: SeqKey, committed: list[int]) -> None:
         pass
 
-    def draft(self, jobs: list[DraftJob]) -> list[Draft]:
+    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Draft]:
+        """Lookups are instant: `stop` is never needed."""
         drafts = []
         for job in jobs:
             if job.sequence.closed:

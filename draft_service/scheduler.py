@@ -14,13 +14,16 @@ keeps pre-drafts, the pre-draft already sent for exactly the tokens the Extend c
 
 Rounds are ordered: fresh prefixes, which no sent proposal covers, first, all in one batch; when
 none waits, the pre-drafts of the outcomes of the proposals the target is verifying (predraft.py),
-best expected gain first, all in one batch.
+best expected gain first, all in one batch. An update that brings fresh work stops a running
+pre-draft round at its next forward pass: its pre-drafts go out with the tokens drafted so far,
+and the fresh round starts at once instead of after the whole pre-draft round.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -100,6 +103,7 @@ class DraftScheduler:
         self._dirty: dict[SeqKey, DraftSequence] = {}
         self._slot_ops: list[SlotOp] = []
         self._wake = asyncio.Event()
+        self._stop_predrafts = threading.Event()  # set on the event loop, polled on the drafter's thread
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -152,6 +156,7 @@ class DraftScheduler:
             stream.undrafted = []
         if self._dirty or self._slot_ops:
             self._wake.set()
+            self._stop_predrafts.set()
 
     def _open(self, stream: Stream, msg: drafter_pb2.SequenceOpen) -> None:
         if msg.seq_id in stream.sequences:
@@ -236,6 +241,7 @@ class DraftScheduler:
         while True:
             await self._work()
             slot_ops, self._slot_ops = self._slot_ops, []
+            self._stop_predrafts.clear()  # before the round is planned: later updates stop it
             work = self._next_round()
             began = time.perf_counter()
             try:
@@ -291,7 +297,11 @@ class DraftScheduler:
             (self._drafter.open if op.opening else self._drafter.close)(op.key)
         for key, committed in work.settled:
             self._drafter.settle(key, committed)
-        return self._drafter.draft(work.jobs) if work.jobs else []
+        if not work.jobs:
+            return []
+        if work.predraft:
+            return self._drafter.draft(work.jobs, stop=self._stop_predrafts.is_set)
+        return self._drafter.draft(work.jobs)
 
     def _deliver(self, jobs: list[DraftJob], drafts: list[Draft], elapsed: float) -> None:
         """One DraftProposals message per stream, with an answer for every job: its draft, or nothing.

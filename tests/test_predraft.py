@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 import torch
 
-from draft_service.drafter import Draft, DraftJob, DraftSequence, Sampling
+from draft_service.drafter import Draft, DraftJob, DraftSequence, Sampling, never
 from draft_service.metrics import DraftMetrics
 from draft_service.model_drafter import ModelDrafter
 from draft_service.ngram_drafter import NgramDrafter, lookup
@@ -279,11 +279,11 @@ class GatedDrafter(ModelDrafter):
     async def round_waits(self) -> None:
         assert await asyncio.to_thread(self.waiting.acquire, timeout=WAIT_S), "no round started"
 
-    def draft(self, jobs):
+    def draft(self, jobs, stop=never):
         self.waiting.release()
         assert self.gate.acquire(timeout=WAIT_S), "the test never let this round run"
         self.rounds.append([(job.sequence.key[1], job.is_predraft) for job in jobs])
-        return super().draft(jobs)
+        return super().draft(jobs, stop)
 
 
 LIMITS = Limits(vocab_size=VOCAB, max_model_len=MAX_LEN, max_k=4, num_slots=12)
@@ -345,6 +345,48 @@ async def test_fresh_prefixes_come_first_and_an_extend_cancels_the_pending_predr
     assert registry.get_sample_value("tandem_draft_predraft_cancelled_total", {**LABELS, "stage": "pending"}) == K + 1
     assert drafter.rounds[3] and all(predraft for round in drafter.rounds[3:] for _, predraft in round)
     assert registry.get_sample_value("tandem_draft_fanout_limit", LABELS) == 2  # max_k + 1 = 5, halved
+
+
+class ForwardGatedDrafter(ModelDrafter):
+    """A model drafter whose pre-draft rounds wait for the test before each forward after the first."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Semaphore(0)
+        self.at_gate = threading.Semaphore(0)  # released as a pre-draft forward reaches the gate
+        self.predrafting = False
+        self.round_kinds: list[bool] = []  # is a pre-draft, per round
+
+    def draft(self, jobs, stop=never):
+        self.predrafting = any(job.is_predraft for job in jobs)
+        self.round_kinds.append(self.predrafting)
+        return super().draft(jobs, stop)
+
+    def _feed(self, rows):
+        if self.predrafting:
+            self.at_gate.release()
+            assert self.gate.acquire(timeout=WAIT_S), "the test never let this forward run"
+        return super()._feed(rows)
+
+
+async def test_an_extend_stops_a_running_predraft_round_at_its_next_forward():
+    """Fresh work must not wait for a whole pre-draft round: the round ends after the forward it is
+    in, and the fresh round runs next. Its pre-drafts, made moot by the Extend, are not sent."""
+    drafter = ForwardGatedDrafter(tiny_draft_model(num_slots=12), TOP_K, DraftMetrics("tiny"))
+    async with _running(drafter) as scheduler:
+        stream = scheduler.open_stream()
+        scheduler.apply(stream, _opens(1))
+        [fresh] = await _next(stream)
+        assert await asyncio.to_thread(drafter.at_gate.acquire, timeout=WAIT_S), "no pre-draft round started"
+        miss = [(fresh.token_ids[0] + 1) % VOCAB]
+        scheduler.apply(stream, _extend_update(1, 8, miss))  # while the round's second forward waits
+        drafter.gate.release()  # that forward only: a round that went on would wait at the next one
+        [refreshed] = await _next(stream)
+        assert (refreshed.base_len, list(refreshed.assumed_ids)) == (9, [])
+        assert drafter.round_kinds[:3] == [False, True, False]
+        assert _metric(drafter, "tandem_draft_predraft_proposals_total") == 0  # moot, so not sent
+        for _ in range(2 * K):  # let the refreshed proposal's pre-draft round finish
+            drafter.gate.release()
 
 
 @pytest.fixture
