@@ -31,7 +31,8 @@ class DraftConfig:
     num_slots: int = 8
     max_model_len: int = 2048
     max_k: int = 8
-    max_fanout: int = -1  # outcomes pre-drafted per proposal at most; -1: all k + 1, 0: off
+    max_fanout: int = -1  # outcomes pre-drafted per proposal at most; -1: all, 0: off
+    predraft_guesses: int = 3  # guesses at each recovered token, each an outcome to pre-draft
     probs_top_k: int = DEFAULT_TOP_K
     ngram_min_n: int = 1
     ngram_max_n: int = 4
@@ -80,8 +81,11 @@ HELP = {
     "max_k": "the largest k (draft tokens per proposal) that an Open may ask for",
     "max_fanout": "pre-drafting: the most outcomes of one proposal (j drafts accepted, then a guessed token) "
                   "drafted ahead while the target verifies it, for targets that keep such proposals; -1: all "
-                  "k + 1, 0: off. Each takes a KV slot from --num-slots while in use; spare time and free "
-                  "slots may cover fewer",
+                  "(k x --predraft-guesses + 1), 0: off. Each takes a KV slot from --num-slots while in use; "
+                  "spare time and free slots may cover fewer",
+    "predraft_guesses": "pre-drafting: how many of its most likely tokens the model drafter tries as the token the "
+                        "target emits after rejecting a draft, each an outcome of its own (best expected gain "
+                        "first); the bonus token gets one guess",
     "probs_top_k": "K of the compressed draft probabilities sent for sampled requests (model drafter)",
     "ngram_min_n": "the shortest trailing n-gram that the ngram drafter looks up",
     "ngram_max_n": "the longest trailing n-gram that the ngram drafter looks up",
@@ -102,6 +106,7 @@ _RANGES = {
     "max_model_len": (1, None),
     "max_k": (1, None),
     "max_fanout": (-1, None),
+    "predraft_guesses": (1, 16),
     "probs_top_k": (1, MAX_VOCAB),
     "ngram_min_n": (1, None),
     "ngram_max_n": (1, None),

@@ -97,6 +97,14 @@ class DraftJob:
         return self.num_assumed > 0 or self.guess_next
 
 
+@dataclass(frozen=True, slots=True)
+class Guess:
+    """A guess at the token the target emits after rejecting a draft, and how likely the drafter finds it."""
+
+    token: int
+    probability: float
+
+
 @dataclass(slots=True)
 class Draft:
     """Draft tokens for positions base_len.. of one sequence, with q' when the target needs it."""
@@ -107,9 +115,9 @@ class Draft:
     probs: bytes = b""  # kernels.compression.pack of q', one row per draft token
     probs_top_k: int = 0
     assumed_ids: list[int] = field(default_factory=list)  # positions base_len - len(assumed_ids) .. base_len - 1
-    # Not sent: recovered_guesses[i] is the drafter's guess at the token the target emits if it
-    # rejects token_ids[i], its most likely token other than token_ids[i] (empty: no guesses).
-    recovered_guesses: list[int] = field(default_factory=list)
+    # Not sent: recovered_guesses[i] are the drafter's guesses at the token the target emits if it
+    # rejects token_ids[i], its most likely tokens other than token_ids[i], best first (empty: none).
+    recovered_guesses: list[list[Guess]] = field(default_factory=list)
 
     def to_proto(self) -> drafter_pb2.DraftProposal:
         return drafter_pb2.DraftProposal(seq_id=self.key[1], base_len=self.base_len, token_ids=self.token_ids,
@@ -117,7 +125,7 @@ class Draft:
 
 
 def make_draft(job: DraftJob, token_ids: list[int], compressed: CompressedProbs | None,
-               recovered_guesses: list[int] | None = None, guessed_next: int | None = None) -> Draft:
+               recovered_guesses: list[list[Guess]] | None = None, guessed_next: int | None = None) -> Draft:
     """A Draft carrying q' (packed) for rejection sampling, or ids only when compressed is None.
 
     guessed_next: the bonus token a guess_next job guessed, the last of its assumed tokens.

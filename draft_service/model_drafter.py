@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.drafter import Draft, DraftJob, Sampling, SeqKey, make_draft, never
+from draft_service.drafter import Draft, DraftJob, Guess, Sampling, SeqKey, make_draft, never
 from draft_service.kv_slots import SlotState, SlotTable, common_prefix_len
 from draft_service.metrics import DraftMetrics
 from kernels.compression import CompressedProbs, encode, sample_compressed
@@ -35,13 +35,22 @@ class DraftVocab:
 
     ids: torch.Tensor  # [N] int64
     vocab_size: int
+    rows: torch.Tensor  # [vocab_size] int64: each id's head row, -1 outside the draft vocabulary
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, vocab_size: int) -> "DraftVocab":
+        rows = torch.full((vocab_size,), -1, dtype=torch.int64)
+        rows[ids] = torch.arange(len(ids))
+        return cls(ids, vocab_size, rows)
 
 
 @dataclass(slots=True)
 class DrawnTokens:
     tokens: list[int]  # [B]
     compressed: list[CompressedProbs | None]  # [B], q' [1, K] for rows that send probabilities
-    runner_up: list[int]  # [B]: each row's most likely token other than tokens[b]; empty for a 1-token head
+    # [B] lists: each row's most likely tokens other than tokens[b], best first, with the drafter's
+    # probability (at temperature 1) that the target emits each if it rejects tokens[b]
+    alternatives: list[list[Guess]]
 
 
 def stack_rows(rows: list[CompressedProbs]) -> CompressedProbs:
@@ -50,7 +59,7 @@ def stack_rows(rows: list[CompressedProbs]) -> CompressedProbs:
 
 
 def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list[int], probs_top_k: int,
-                draft_vocab: DraftVocab | None = None) -> DrawnTokens:
+                draft_vocab: DraftVocab | None = None, alternatives: int = 1) -> DrawnTokens:
     """One draft token per row of logits [B, N], row b being the token at sequence position positions[b].
 
     Logits cover the vocabulary, or the draft vocabulary of a drafter with a reduced head,
@@ -83,7 +92,7 @@ def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list
             for r, b in enumerate(rejection):
                 compressed[b] = CompressedProbs(ids[r : r + 1], fixed[r : r + 1])
         tokens[rows] = drawn
-    return DrawnTokens(tokens.tolist(), compressed, _runner_up(logits, tokens, draft_vocab))
+    return DrawnTokens(tokens.tolist(), compressed, _alternatives(logits, tokens, draft_vocab, alternatives))
 
 
 def top_tokens(logits: torch.Tensor, draft_vocab: DraftVocab | None = None) -> torch.Tensor:
@@ -92,14 +101,22 @@ def top_tokens(logits: torch.Tensor, draft_vocab: DraftVocab | None = None) -> t
     return tokens if draft_vocab is None else draft_vocab.ids[tokens]
 
 
-def _runner_up(logits: torch.Tensor, tokens: torch.Tensor, draft_vocab: DraftVocab | None) -> list[int]:
-    """Each row's most likely token other than tokens[b]: the top one, or the second when tokens[b] is the top."""
-    if logits.shape[1] < 2:
-        return []
-    best = logits.topk(2, dim=1).indices  # [B, 2]
+def _alternatives(logits: torch.Tensor, tokens: torch.Tensor, draft_vocab: DraftVocab | None,
+                  count: int) -> list[list[Guess]]:
+    """Each row's `count` most likely tokens other than tokens[b], with q(t) / (1 - q(tokens[b])):
+    the drafter's belief that the target emits t, given that it rejected tokens[b]."""
+    width = min(count + 1, logits.shape[1])
+    if width < 2:
+        return [[] for _ in range(logits.shape[0])]
+    probs = torch.softmax(logits.float(), dim=1)  # [B, N]
+    top_p, top = probs.topk(width, dim=1)  # [B, width]
     if draft_vocab is not None:
-        best = draft_vocab.ids[best]
-    return torch.where(best[:, 0] == tokens, best[:, 1], best[:, 0]).tolist()
+        top = draft_vocab.ids[top]
+    head_rows = tokens if draft_vocab is None else draft_vocab.rows[tokens].clamp_min(0)  # [B]
+    drawn_p = probs.gather(1, head_rows[:, None])[:, 0]  # [B]
+    rest = (1 - drawn_p).clamp_min(1e-6).tolist()
+    return [[Guess(t, p / r) for t, p in zip(row, row_p) if t != token][:count]
+            for row, row_p, token, r in zip(top.tolist(), top_p.tolist(), tokens.tolist(), rest)]
 
 
 def _scatter_to_vocabulary(q: torch.Tensor, draft_vocab: DraftVocab) -> torch.Tensor:
@@ -129,7 +146,7 @@ class Row:
     guessed_next: int | None = None  # the bonus token a guess_next job guessed
     token_ids: list[int] = field(default_factory=list)
     q_rows: list[CompressedProbs] = field(default_factory=list)
-    recovered_guesses: list[int] = field(default_factory=list)
+    recovered_guesses: list[list[Guess]] = field(default_factory=list)
 
     @property
     def guessing(self) -> bool:
@@ -159,10 +176,12 @@ class ModelDrafter:
     kind = "model"
 
     def __init__(self, model: LlamaModel, probs_top_k: int, metrics: DraftMetrics,
-                 draft_vocab: torch.Tensor | None = None):
+                 draft_vocab: torch.Tensor | None = None, guesses: int = 1):
+        """guesses: the recovered-token guesses each draft carries, for pre-drafting."""
         self.model = model
+        self.guesses = guesses
         vocab_size = model.config.vocab_size
-        self.draft_vocab = None if draft_vocab is None else DraftVocab(draft_vocab, vocab_size)
+        self.draft_vocab = None if draft_vocab is None else DraftVocab.of(draft_vocab, vocab_size)
         head_rows = vocab_size if draft_vocab is None else len(draft_vocab)
         self.probs_top_k = min(probs_top_k, head_rows)  # encode's K, which Info reports
         self.metrics = metrics
@@ -220,14 +239,13 @@ class ModelDrafter:
             return
         drawn = draw_tokens(logits[drawing] if guessing else logits,
                             [rows[i].job.sequence.sampling for i in drawing], [rows[i].position for i in drawing],
-                            self.probs_top_k, self.draft_vocab)
+                            self.probs_top_k, self.draft_vocab, self.guesses)
         for n, i in enumerate(drawing):
             row = rows[i]
             row.token_ids.append(drawn.tokens[n])
             if drawn.compressed[n] is not None:
                 row.q_rows.append(drawn.compressed[n])
-            if drawn.runner_up:
-                row.recovered_guesses.append(drawn.runner_up[n])
+            row.recovered_guesses.append(drawn.alternatives[n])
 
     def _catch_up(self, rows: list[Row]) -> torch.Tensor:
         """Feed each job's tokens that its slot lacks; logits [B, V] at each last position."""

@@ -3,16 +3,19 @@
 After proposing d1..dk for a committed prefix C of length L, the drafter does not wait for the
 target's next Extend. It drafts ahead for the likely outcomes of the verification the target is
 running: j drafts accepted (0 <= j <= k), then the next token b, which the drafter guesses from its
-own distribution: for j < k its most likely token other than d(j+1) at position L+j (the recovered
-token), for j = k its top token at position L+k (the bonus token). For outcome (j, b) it drafts
+own distribution: for j < k its few most likely tokens other than d(j+1) at position L+j (the
+recovered token; --predraft-guesses of them, each an outcome of its own), for j = k its top token
+at position L+k (the bonus token). For outcome (j, b) it drafts
 the tokens that continue C + d1..dj + b and sends them as an ordinary proposal whose assumed_ids
 are d1..dj, b. When the next Extend commits exactly those tokens, the target already holds drafts
 for its new prefix, and the drafter goes straight on to the outcomes of that proposal.
 
 Which outcomes: the expected gain of (j, b) is P(j) x P(b right | j), with P(j) = alpha^j (1 - alpha)
 for j < k and alpha^k for j = k; alpha is the per-draft acceptance the drafter measures from the
-Extends it receives (how many leading drafts were committed), P(b right) its measured hit rate
-for that kind of guess, optimistic until measured. How many: `Fanout`, from the drafter's spare time.
+Extends it receives (how many leading drafts were committed). For a recovered token, P(b right) is
+the drafter's own probability of b given that d(j+1) was rejected, scaled by how often its guesses
+have been right against how often it expected them to be; for the bonus token, its measured hit
+rate, optimistic until measured. How many: `Fanout`, from the drafter's spare time.
 
 Lossless, as any proposal. A pre-draft's drafts are drawn like a fresh proposal's: from the q' it
 sends, with the drafter's own salt, keyed by (seed, position), or greedily, or with the shared
@@ -30,7 +33,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from draft_service.drafter import Draft, DraftJob, DraftSequence, SeqKey
+from draft_service.drafter import Draft, DraftJob, DraftSequence, Guess, SeqKey
 from draft_service.metrics import DraftMetrics
 
 DECAY = 0.98  # per observation: a rate follows about the last 50
@@ -59,14 +62,19 @@ class OutcomeModel:
     """P(j) and P(b right | j), as the drafter measures them."""
 
     acceptance: Rate = field(default_factory=lambda: Rate(prior=0.5))  # alpha, per draft
+    # Per rejection: whether one of the recovered-token guesses was right, and the probability
+    # the drafter gave them together; their ratio calibrates its beliefs.
     recovered_hits: Rate = field(default_factory=lambda: Rate(prior=1.0))
+    recovered_expected: Rate = field(default_factory=lambda: Rate(prior=1.0))
     bonus_hits: Rate = field(default_factory=lambda: Rate(prior=1.0))
 
-    def gain(self, accepted: int, num_drafts: int) -> float:
+    def gain(self, accepted: int, num_drafts: int, guess: Guess | None = None) -> float:
+        """Of the outcome `accepted` drafts, then `guess` (a recovered token) or the bonus token (None)."""
         alpha = self.acceptance.value
-        if accepted == num_drafts:
+        if guess is None:
             return alpha**num_drafts * self.bonus_hits.value
-        return alpha**accepted * (1 - alpha) * self.recovered_hits.value
+        calibration = self.recovered_hits.value / max(self.recovered_expected.value, 1e-6)
+        return alpha**accepted * (1 - alpha) * min(1.0, guess.probability * calibration)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +92,7 @@ class SentProposal:
 
     tokens: list[int]
     drafts: list[int]
-    recovered_guesses: list[int]
+    recovered_guesses: list[list[Guess]]  # per draft, best first
 
 
 @dataclass(slots=True)
@@ -176,8 +184,10 @@ class Predrafter:
             return
         actual = token_ids[accepted]
         if accepted < len(state.current.recovered_guesses) and accepted < len(drafts):
-            guess = state.current.recovered_guesses[accepted]
-            self._count_guess("recovered", self.model.recovered_hits, actual == guess)
+            guesses = state.current.recovered_guesses[accepted]
+            if guesses:
+                self.model.recovered_expected.observe(sum(g.probability for g in guesses), 1)
+                self._count_guess("recovered", self.model.recovered_hits, actual in [g.token for g in guesses])
         elif accepted == len(drafts) and state.bonus_guess is not None:
             self._count_guess("bonus", self.model.bonus_hits, actual == state.bonus_guess)
 
@@ -216,8 +226,9 @@ class Predrafter:
     def _outcomes(self, proposal: SentProposal) -> list[Outcome]:
         """Every outcome the drafter can guess, by expected gain (ties: fewer accepted drafts first)."""
         n = len(proposal.drafts)
-        outcomes = [Outcome(j, guess, self.model.gain(j, n))
-                    for j, guess in enumerate(proposal.recovered_guesses[:n]) if guess != proposal.drafts[j]]
+        outcomes = [Outcome(j, guess.token, self.model.gain(j, n, guess))
+                    for j, guesses in enumerate(proposal.recovered_guesses[:n]) for guess in guesses
+                    if guess.token != proposal.drafts[j]]
         outcomes.append(Outcome(n, None, self.model.gain(n, n)))
         return sorted(outcomes, key=lambda o: -o.gain)
 

@@ -88,13 +88,14 @@ class Round:
 
 class DraftScheduler:
     def __init__(self, drafter: Drafter, metrics: DraftMetrics, limits: Limits, delay_s: float = 0.0,
-                 max_fanout: int = 0):
-        """max_fanout: outcomes pre-drafted per proposal at most; -1: all k + 1 of them, 0: none."""
+                 max_fanout: int = 0, guesses: int = 1):
+        """max_fanout: outcomes pre-drafted per proposal at most; -1: all of them, 0: none.
+        guesses: the drafter's guesses at each recovered token; with the bonus outcome, k * guesses + 1 in all."""
         self._drafter = drafter
         self._metrics = metrics
         self._limits = limits
         self._delay_s = delay_s
-        self._predrafter = Predrafter(limits.max_k + 1 if max_fanout < 0 else max_fanout, metrics)
+        self._predrafter = Predrafter(limits.max_k * guesses + 1 if max_fanout < 0 else max_fanout, metrics)
         # One thread: forwards never overlap, and the event loop stays free for Info, health and metrics.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self._streams: dict[int, Stream] = {}

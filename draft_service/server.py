@@ -43,7 +43,8 @@ def load_drafter(config: DraftConfig) -> LoadedDrafter:
     if config.drafter == "model":
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, num_slots=config.num_slots,
                             max_model_len=config.max_model_len, drafter_target=config.drafter_target)
-        drafter = ModelDrafter(loaded.model, config.probs_top_k, metrics, loaded.draft_vocab)
+        drafter = ModelDrafter(loaded.model, config.probs_top_k, metrics, loaded.draft_vocab,
+                               guesses=config.predraft_guesses)
         # The model's logits width: every id it can draft.
         vocab_size, tokenizer = loaded.config.vocab_size, loaded.tokenizer
     else:
@@ -104,8 +105,9 @@ async def serve(config: DraftConfig) -> None:
     loaded = load_drafter(config)
     limits = Limits(vocab_size=loaded.info.vocab_size, max_model_len=config.max_model_len,
                     max_k=config.max_k, num_slots=config.num_slots)
+    guesses = config.predraft_guesses if loaded.drafter.kind == "model" else 1  # the n-gram drafter guesses none
     scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits, delay_s=config.delay_ms / 1000,
-                               max_fanout=config.max_fanout)
+                               max_fanout=config.max_fanout, guesses=guesses)
     servicer = DrafterServicer(loaded.info, scheduler)
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
                             max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,

@@ -117,7 +117,7 @@ def _start(tmp_path_factory, name: str, *args: str) -> ServiceProcess:
 @pytest.fixture(scope="module")
 def model_process(tmp_path_factory):
     service = _start(tmp_path_factory, "model", "--drafter", "model", "--num-slots", "4",
-                     "--grace-seconds", str(GRACE_S))
+                     "--grace-seconds", str(GRACE_S), "--predraft-guesses", "1")
     yield service
     service.kill()
 

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 import torch
 
-from draft_service.drafter import Draft, DraftJob, DraftSequence, Sampling, never
+from draft_service.drafter import Draft, DraftJob, DraftSequence, Guess, Sampling, never
 from draft_service.metrics import DraftMetrics
 from draft_service.model_drafter import ModelDrafter
 from draft_service.ngram_drafter import NgramDrafter, lookup
@@ -46,6 +46,11 @@ def _open(drafter, seq_id: int, prompt: list[int], sampling: Sampling = Sampling
     return sequence
 
 
+def _certain(tokens: list[int]) -> list[list[Guess]]:
+    """One guess per draft, each as likely as can be: the gains are then P(j) alone."""
+    return [[Guess(token, 1.0)] for token in tokens]
+
+
 def _fresh(drafter, sequence: DraftSequence, tokens: list[int]) -> Draft:
     [draft] = drafter.draft([DraftJob(sequence, list(tokens))])
     return draft
@@ -55,8 +60,8 @@ def _all_outcomes(sequence: DraftSequence, fresh: Draft) -> list[DraftJob]:
     """A pre-draft job for every outcome of `fresh`: j drafts accepted, then the recovered token the drafter
     guessed (j < k); all k accepted, then a bonus token the drafter guesses as it drafts."""
     prefix, drafts = list(sequence.tokens), fresh.token_ids
-    jobs = [DraftJob(sequence, prefix + drafts[:j] + [guess], num_assumed=j + 1)
-            for j, guess in enumerate(fresh.recovered_guesses)]
+    jobs = [DraftJob(sequence, prefix + drafts[:j] + [guess.token], num_assumed=j + 1)
+            for j, guesses in enumerate(fresh.recovered_guesses) for guess in guesses]
     return jobs + [DraftJob(sequence, prefix + drafts, num_assumed=len(drafts), guess_next=True)]
 
 
@@ -79,7 +84,7 @@ def test_assumed_ids_round_trip_and_proposals_without_them_parse_as_before():
     plain = pb.DraftProposal.FromString(pb.DraftProposal(seq_id=3, base_len=10, token_ids=[7]).SerializeToString())
     assert list(plain.assumed_ids) == []
     assert pb.SequenceOpen.FromString(pb.SequenceOpen(seq_id=1, k=2).SerializeToString()).accepts_assumed is False
-    draft = Draft((1, 3), base_len=12, token_ids=[7, 8], assumed_ids=[5, 6], recovered_guesses=[9, 9])
+    draft = Draft((1, 3), base_len=12, token_ids=[7, 8], assumed_ids=[5, 6], recovered_guesses=_certain([9, 9]))
     assert draft.to_proto() == proposal  # the recovered guesses stay with the drafter
 
 
@@ -91,7 +96,12 @@ def test_each_outcome_is_predrafted_as_a_fresh_round_from_its_prefix_would_draft
     drafts = fresh.token_ids
     logits = _logits_after(tiny_draft_model(), prompt, drafts)  # [k + 1, V]: row j predicts position L + j
     runner_up = [int(row.index_fill(0, torch.tensor([d]), float("-inf")).argmax()) for row, d in zip(logits, drafts)]
-    assert fresh.recovered_guesses == runner_up  # the most likely token other than each draft
+    # the most likely token other than each draft, with the drafter's probability of it given a rejection
+    assert [[g.token for g in guesses] for guesses in fresh.recovered_guesses] == [[t] for t in runner_up]
+    probs = torch.softmax(logits.float(), dim=1)
+    for j, [guess] in enumerate(fresh.recovered_guesses):
+        expected = probs[j, runner_up[j]] / (1 - probs[j, drafts[j]])
+        assert guess.probability == pytest.approx(float(expected), rel=1e-4)
 
     predrafts = drafter.draft(_all_outcomes(sequence, fresh))
     expected_assumed = [drafts[:j] + [runner_up[j]] for j in range(K)] + [drafts + [int(logits[K].argmax())]]
@@ -151,7 +161,7 @@ def test_the_next_predrafts_reuse_spare_slots_and_copy_only_what_changed():
     fresh = _fresh(drafter, sequence, prompt)
     drafter.draft(_all_outcomes(sequence, fresh))
     free = drafter.model.kv_cache.num_free_slots
-    miss = prompt + [fresh.token_ids[0], (fresh.recovered_guesses[1] + 1) % VOCAB]  # no outcome guessed it
+    miss = prompt + [fresh.token_ids[0], (fresh.recovered_guesses[1][0].token + 1) % VOCAB]  # no outcome guessed it
     if miss[-1] == fresh.token_ids[1]:
         miss[-1] = (miss[-1] + 1) % VOCAB
     drafter.settle(sequence.key, miss)
@@ -203,13 +213,43 @@ def test_fanout_grows_with_spare_time_and_halves_when_an_extend_comes_first():
     assert off.limit == 0
 
 
+def test_each_draft_carries_its_likeliest_alternatives_and_each_is_an_outcome_by_gain():
+    """--predraft-guesses 3: the drafter's three likeliest tokens other than each draft are three
+    guesses at the recovered token, each an outcome pre-drafted in order of expected gain."""
+    guesses = 3
+    drafter = ModelDrafter(tiny_draft_model(num_slots=16), TOP_K, DraftMetrics("tiny"), guesses=guesses)
+    prompt = _prompt(10, 2)
+    sequence = _open(drafter, 1, prompt)
+    fresh = _fresh(drafter, sequence, prompt)
+    logits = _logits_after(tiny_draft_model(), prompt, fresh.token_ids)
+    for j, alternatives in enumerate(fresh.recovered_guesses):
+        likeliest = [t for t in logits[j].argsort(descending=True).tolist() if t != fresh.token_ids[j]][:guesses]
+        assert [g.token for g in alternatives] == likeliest
+        assert sorted((g.probability for g in alternatives), reverse=True) == [g.probability for g in alternatives]
+
+    predrafter = Predrafter(K * guesses + 1, DraftMetrics("tiny"))
+    predrafter.open(sequence)
+    predrafter.on_drafted(DraftJob(sequence, list(prompt)), fresh)
+    jobs = predrafter.take_jobs()
+    alpha = 0.5  # the prior
+    gains = {(j, g.token): alpha**j * (1 - alpha) * g.probability
+             for j, alternatives in enumerate(fresh.recovered_guesses) for g in alternatives}
+    gains[(K, None)] = alpha**K
+    assert len(jobs) == len(gains) == K * guesses + 1
+    assert [(job.num_assumed - (not job.guess_next), None if job.guess_next else job.tokens[-1]) for job in jobs] \
+        == sorted(gains, key=lambda outcome: -gains[outcome])
+    sent = drafter.draft(jobs)
+    assert sorted(tuple(d.assumed_ids[:-1]) for d in sent if len(d.assumed_ids) <= K) == sorted(
+        tuple(fresh.token_ids[:j]) for j in range(K) for _ in range(guesses))
+
+
 def _predrafter_with_a_proposal(drafts: list[int], guesses: list[int], max_fanout: int = 4):
     metrics = DraftMetrics("tiny")
     predrafter = Predrafter(max_fanout, metrics)
     sequence = DraftSequence((1, 1), [1, 2, 3], Sampling(), len(drafts), accepts_assumed=True)
     predrafter.open(sequence)
     job = DraftJob(sequence, list(sequence.tokens))
-    predrafter.on_drafted(job, Draft(sequence.key, 3, drafts, recovered_guesses=guesses))
+    predrafter.on_drafted(job, Draft(sequence.key, 3, drafts, recovered_guesses=_certain(guesses)))
     return predrafter, sequence, metrics
 
 
@@ -237,7 +277,7 @@ def test_spare_time_after_a_predraft_round_grows_the_fanout(extend_after_s, limi
     predrafter.covers(sequence)
     predrafter.fanout.on_late()  # 2 -> 1
     predrafter.on_drafted(DraftJob(sequence, list(sequence.tokens)),
-                          Draft(sequence.key, 4, [7, 8, 9], recovered_guesses=[17, 18, 19]))
+                          Draft(sequence.key, 4, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
     [job] = predrafter.take_jobs()
     sent = predrafter.on_predrafted([Draft(sequence.key, 5, [1, 2, 3], assumed_ids=job.tokens[4:])],
                                     now=1.0, round_s=0.01)
@@ -258,11 +298,11 @@ def test_outcomes_are_ordered_by_expected_gain_from_the_measured_acceptance():
         _extend(predrafter, sequence, [7, 8, 9, 5], now=1.0)
         sequence.tokens = proposal_tokens  # the same prefix again, so the same proposal is the current one
         predrafter.on_drafted(DraftJob(sequence, list(sequence.tokens)),
-                              Draft(sequence.key, 3, [7, 8, 9], recovered_guesses=[17, 18, 19]))
+                              Draft(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
         predrafter.take_jobs()
     assert predrafter.model.acceptance.value > 0.9
     predrafter.on_drafted(DraftJob(sequence, list(sequence.tokens)),
-                          Draft(sequence.key, 3, [7, 8, 9], recovered_guesses=[17, 18, 19]))
+                          Draft(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
     first = predrafter.take_jobs()[0]
     assert (first.tokens[3:], first.guess_next) == ([7, 8, 9], True)  # all accepted is now the likeliest
 
@@ -411,7 +451,7 @@ async def test_a_hit_is_answered_by_the_predraft_already_sent_and_its_outcomes_f
     bonus = greedy_generate(tiny_draft_model(), prompt + list(fresh.token_ids), 1)
     drafts = list(fresh.token_ids)
     assert sorted(list(p.assumed_ids) for p in predrafts) == sorted(
-        [drafts[:j] + [guesses[j]] for j in range(K)] + [drafts + bonus])
+        [drafts[:j] + [guesses[j][0].token] for j in range(K)] + [drafts + bonus])
 
     hit = next(p for p in predrafts if len(p.assumed_ids) == 1)  # d1 rejected, the recovered token guessed
     scheduler.apply(stream, _extend_update(1, 8, list(hit.assumed_ids)))
