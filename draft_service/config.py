@@ -26,7 +26,7 @@ class DraftConfig:
     model: str = DEFAULT_DRAFT_MODEL
     drafter_target: str = ""  # a drafter file's target checkpoint; empty: the one the file names
     device: str = "cpu"
-    dtype: str = "auto"  # bf16 for a drafter file and on CUDA, else fp32
+    dtype: str = "auto"  # bf16 for a drafter file, on CUDA and on CPUs with the native decoder, else fp32
     threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
     num_slots: int = 8
     max_model_len: int = 2048
@@ -73,8 +73,8 @@ HELP = {
     "drafter_target": "for a distilled drafter file: the target checkpoint whose embedding and head rows "
                       "it uses (its fingerprint must match); empty: the target the file names",
     "device": "torch device of the draft model: cpu, cuda, cuda:1, ...",
-    "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 for a distilled drafter file and on CUDA, "
-             "else float32)",
+    "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 for a distilled drafter file, on CUDA and on "
+             "x86 CPUs the native decoder runs on, else float32)",
     "threads": "torch CPU threads; give each service its own cores",
     "num_slots": "KV slots: sequences drafted at once; further Opens are refused",
     "max_model_len": "the longest sequence, prompt included, that the drafter holds",

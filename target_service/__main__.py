@@ -12,7 +12,8 @@ from tandem.grpc_server import install_event_loop, set_torch_threads
 HELP = {
     "model": "embedded model name (smollm2-135m) or a path to a .gguf file or an HF folder",
     "metrics_port": "port of the Prometheus /metrics endpoint; 0 turns it off",
-    "dtype": "auto, float32 or bfloat16 (auto: float32 on CPU, bfloat16 on CUDA)",
+    "dtype": "auto, float32 or bfloat16 (auto: bfloat16 on CUDA and on x86 CPUs the native decoder runs on, "
+             "else float32)",
     "threads": "torch CPU threads; give each service its own cores",
     "max_num_seqs": "running sequences, each holding one KV-cache slot",
     "max_queue": "waiting requests beyond which new ones get RESOURCE_EXHAUSTED",

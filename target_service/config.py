@@ -13,7 +13,7 @@ class TargetConfig:
     port: int = 50051
     metrics_port: int = 9091  # 0 turns /metrics off
     device: str = "cpu"
-    dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
+    dtype: str = "auto"  # bf16 on CUDA and on CPUs with the native decoder, else fp32
     threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
     max_num_seqs: int = 8  # running sequences, one KV slot each
     max_model_len: int = 2048

@@ -109,8 +109,8 @@ async def _info(server: ServiceProcess) -> pb.DrafterInfo:
 
 def _start(tmp_path_factory, name: str, *args: str) -> ServiceProcess:
     log_path = tmp_path_factory.mktemp("draft") / f"{name}.log"
-    return ServiceProcess("draft_service", ["--model", "smollm2-135m", "--max-model-len", str(MAX_MODEL_LEN),
-                                            "--max-k", str(MAX_K), *args],
+    return ServiceProcess("draft_service", ["--model", "smollm2-135m", "--dtype", "float32",  # as `reference`
+                                            "--max-model-len", str(MAX_MODEL_LEN), "--max-k", str(MAX_K), *args],
                           log_path=log_path).start()
 
 

@@ -22,7 +22,8 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     log = tmp_path_factory.mktemp("target") / "target.log"
-    service = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--max-queue", "4"],
+    service = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--max-queue", "4",
+                                                "--dtype", "float32"],  # as the reference loop
                              log_path=log).start()
     try:
         yield service.wait_healthy()
