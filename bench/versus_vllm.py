@@ -150,8 +150,13 @@ def same_outputs(a: list[list[int]], b: list[list[int]]) -> int:
 
 
 def report(cells: list[Cell]) -> list[dict]:
-    """One row per Tandem cell: its tokens/s against vLLM's with the same dtype, load and speculation."""
+    """One row per Tandem cell: its tokens/s against vLLM's with the same dtype, load and speculation.
+
+    Each row also counts the outputs equal to Tandem's own reference, the lone target on one thread
+    serving one request at a time: batching and speculation must not change a greedy output.
+    """
     vllm = {(c.dtype, c.load, c.speculation): c for c in cells if c.engine == "vllm"}
+    reference = {c.dtype: c for c in cells if c.engine == "alone@1" and c.load == "one at a time"}
     rows = []
     for c in cells:
         bar = vllm.get((c.dtype, c.load, c.speculation))
@@ -160,16 +165,22 @@ def report(cells: list[Cell]) -> list[dict]:
         rows.append({"dtype": c.dtype, "load": c.load, "speculation": c.speculation, "tandem": c.engine,
                      "tandem_tok_s": c.tokens_per_second, "vllm_tok_s": bar.tokens_per_second,
                      "ratio": c.tokens_per_second / bar.tokens_per_second,
-                     "same_greedy_output": f"{same_outputs(c.outputs, bar.outputs)}/{len(bar.outputs)}"})
+                     "same_greedy_output": f"{same_outputs(c.outputs, bar.outputs)}/{len(bar.outputs)}",
+                     "same_as_tandem_alone": _same_as(c, reference.get(c.dtype))})
     return rows
 
 
+def _same_as(cell: Cell, reference: Cell | None) -> str:
+    return f"{same_outputs(cell.outputs, reference.outputs)}/{len(reference.outputs)}" if reference else "-"
+
+
 def print_report(rows: list[dict]) -> None:
-    print("| dtype | load | speculation | Tandem | Tandem tok/s | vLLM tok/s | Tandem / vLLM | same greedy output |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| dtype | load | speculation | Tandem | Tandem tok/s | vLLM tok/s | Tandem / vLLM "
+          "| same greedy output as vLLM | as Tandem alone@1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['dtype']} | {r['load']} | {r['speculation']} | {r['tandem']} | {r['tandem_tok_s']:.1f} | "
-              f"{r['vllm_tok_s']:.1f} | {r['ratio']:.2f} | {r['same_greedy_output']} |")
+              f"{r['vllm_tok_s']:.1f} | {r['ratio']:.2f} | {r['same_greedy_output']} | {r['same_as_tandem_alone']} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,7 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="the lone target's thread counts")
     parser.add_argument("--out", default=str(RESULTS_DIR / "versus_vllm.json"))
+    parser.add_argument("--report", metavar="JSON", help="print the table of a saved run's --out file and exit")
     args = parser.parse_args(argv)
+    if args.report:
+        print_report(report([Cell(**c) for c in json.loads(Path(args.report).read_text())["cells"]]))
+        return
     vllm_dir = Path(args.vllm_dir)
     if not (vllm_dir / "venv" / "bin" / "python").exists() or not (vllm_dir / "smollm2-135m-hf").is_dir():
         print(f"skipped: no vLLM CPU venv and HF folder in {vllm_dir} (see the module docstring)")
