@@ -13,7 +13,7 @@ from tandem.registry import DEFAULT_DRAFT_MODEL
 from tandem.runtime import resolve_dtype
 from tandem.tls import ServerTls
 
-DRAFTER_KINDS = ("model", "ngram")
+DRAFTER_KINDS = ("model", "ngram", "suffix", "suffix+model")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -36,6 +36,11 @@ class DraftConfig:
     probs_top_k: int = DEFAULT_TOP_K
     ngram_min_n: int = 1
     ngram_max_n: int = 4
+    suffix_max_depth: int = 24
+    suffix_spec_factor: float = 4.0
+    suffix_min_token_prob: float = 0.1
+    suffix_cache_tokens: int = 200_000
+    suffix_confidence: float = 0.75
     delay_ms: float = 0.0  # testing: simulates a slow drafter
     grace_seconds: float = 5.0
     log_level: str = "info"
@@ -66,7 +71,9 @@ HELP = {
     "host": "address that gRPC and /metrics bind to",
     "port": "gRPC port",
     "metrics_port": "port of the Prometheus /metrics endpoint; 0 turns it off",
-    "drafter": "model (a small model drafts) or ngram (prompt lookup, no model)",
+    "drafter": "model (a small model drafts), ngram (prompt lookup, no model), suffix (suffix decoding over "
+               "the request and recent outputs, no model) or suffix+model (suffix where it is confident, "
+               "else the model)",
     "model": "embedded name (smollm2-135m-draft, the distilled drafter; smollm2-135m), a .gguf file, an HF "
              "folder, or a drafter file from python -m draft_service.distill; the ngram drafter loads only "
              "its tokenizer, to report the vocabulary",
@@ -89,6 +96,14 @@ HELP = {
     "probs_top_k": "K of the compressed draft probabilities sent for sampled requests (model drafter)",
     "ngram_min_n": "the shortest trailing n-gram that the ngram drafter looks up",
     "ngram_max_n": "the longest trailing n-gram that the ngram drafter looks up",
+    "suffix_max_depth": "suffix drafter: the longest match it measures, in tokens",
+    "suffix_spec_factor": "suffix drafter: draft at most this many tokens per matched token (and at most k)",
+    "suffix_min_token_prob": "suffix drafter: stop a draft once its chance of being right so far, by the "
+                             "frequencies of the matches, falls below this",
+    "suffix_cache_tokens": "suffix drafter: tokens of finished outputs kept for later requests to draft from; "
+                           "0: each request drafts from its own tokens only",
+    "suffix_confidence": "suffix+model: take the suffix draft when its expected accepted tokens reach this "
+                         "share of k, else ask the model",
     "delay_ms": "for tests: sleep this long before sending each batch of proposals (a slow drafter)",
     "grace_seconds": "on SIGTERM, how long the service may take to end its streams and stop",
     "log_level": "debug, info, warning or error",
@@ -110,6 +125,11 @@ _RANGES = {
     "probs_top_k": (1, MAX_VOCAB),
     "ngram_min_n": (1, None),
     "ngram_max_n": (1, None),
+    "suffix_max_depth": (1, None),
+    "suffix_spec_factor": (0.1, None),
+    "suffix_min_token_prob": (0, 1),
+    "suffix_cache_tokens": (0, None),
+    "suffix_confidence": (0, 1),
     "delay_ms": (0, None),
     "grace_seconds": (0, None),
     "max_message_bytes": (1, None),

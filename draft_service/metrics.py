@@ -56,6 +56,8 @@ class DraftMetrics:
         self.tokens = counter("tandem_draft_tokens", "Draft tokens sent")
         self.reused_tokens = counter(
             "tandem_draft_reused_tokens", "Committed tokens whose KV came from earlier drafts, not recomputed")
+        self.suffix_proposals = counter(
+            "tandem_draft_suffix_proposals", "Proposals the suffix drafter answered in front of the model (suffix+model)")
         self.errors = counter("tandem_draft_errors", "Drafting rounds that failed (logged with a traceback)")
         self.sequences = gauge("tandem_draft_sequences", "Open sequences, all streams together")
         self.streams = gauge("tandem_draft_streams", "Open Speculate streams (connected targets)")

@@ -16,6 +16,8 @@ from draft_service.drafter import Drafter
 from draft_service.metrics import DraftMetrics
 from draft_service.model_drafter import ModelDrafter
 from draft_service.ngram_drafter import NgramDrafter
+from draft_service.suffix_drafter import SuffixDrafter, SuffixFrontDrafter
+from draft_service.suffix_index import SuffixParams
 from draft_service.scheduler import DraftScheduler, Limits, Stream
 from tandem.config import ModelConfig
 from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
@@ -40,15 +42,18 @@ def load_drafter(config: DraftConfig) -> LoadedDrafter:
     began = time.perf_counter()
     metrics = DraftMetrics(config.model)
     drafter: Drafter
-    if config.drafter == "model":
+    if config.drafter in ("model", "suffix+model"):
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, num_slots=config.num_slots,
                             max_model_len=config.max_model_len, drafter_target=config.drafter_target)
         drafter = ModelDrafter(loaded.model, config.probs_top_k, metrics, loaded.draft_vocab,
                                guesses=config.predraft_guesses)
+        if config.drafter == "suffix+model":
+            drafter = SuffixFrontDrafter(suffix_drafter(config), drafter, config.suffix_confidence)
         # The model's logits width: every id it can draft.
         vocab_size, tokenizer = loaded.config.vocab_size, loaded.tokenizer
     else:
-        drafter = NgramDrafter(config.ngram_min_n, config.ngram_max_n)
+        drafter = suffix_drafter(config) if config.drafter == "suffix" else NgramDrafter(config.ngram_min_n,
+                                                                                          config.ngram_max_n)
         path = tokenizer_path(config.model, config.drafter_target)
         tokenizer = load_tokenizer(path)
         vocab_size = model_vocab_size(path, tokenizer)
@@ -58,6 +63,12 @@ def load_drafter(config: DraftConfig) -> LoadedDrafter:
     log.info("loaded the %s drafter for %s (vocabulary %d) in %.1f s",
              drafter.kind, config.model, vocab_size, time.perf_counter() - began)
     return LoadedDrafter(drafter, info, metrics)
+
+
+def suffix_drafter(config: DraftConfig) -> SuffixDrafter:
+    params = SuffixParams(max_depth=config.suffix_max_depth, max_spec_factor=config.suffix_spec_factor,
+                          min_token_prob=config.suffix_min_token_prob)
+    return SuffixDrafter(params, config.suffix_cache_tokens)
 
 
 def model_vocab_size(path: Path, tokenizer: Tokenizer) -> int:
@@ -105,7 +116,8 @@ async def serve(config: DraftConfig) -> None:
     loaded = load_drafter(config)
     limits = Limits(vocab_size=loaded.info.vocab_size, max_model_len=config.max_model_len,
                     max_k=config.max_k, num_slots=config.num_slots)
-    guesses = config.predraft_guesses if loaded.drafter.kind == "model" else 1  # the n-gram drafter guesses none
+    # Only a model has a distribution to guess recovered tokens from; the lookup drafters guess none.
+    guesses = config.predraft_guesses if config.drafter in ("model", "suffix+model") else 1
     scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits, delay_s=config.delay_ms / 1000,
                                max_fanout=config.max_fanout, guesses=guesses)
     servicer = DrafterServicer(loaded.info, scheduler)

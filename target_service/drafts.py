@@ -75,8 +75,8 @@ def validate_proposal(
         )
     probs = None
     if seq.options.needs_draft_probs:
-        if msg.probs_top_k != probs_top_k:
-            raise InvalidProposal("probs", f"probs_top_k {msg.probs_top_k}; the drafter announced {probs_top_k}")
+        if not 1 <= msg.probs_top_k <= probs_top_k:
+            raise InvalidProposal("probs", f"probs_top_k {msg.probs_top_k}; the drafter announced at most {probs_top_k}")
         try:
             probs = unpack(msg.probs, len(tokens), msg.probs_top_k, vocab_size)
         except InvalidDraftProbs as err:

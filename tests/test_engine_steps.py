@@ -8,7 +8,9 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
+from kernels.compression import encode, pack
 from target_service.config import TargetConfig
 from target_service.engine import Engine
 from target_service.metrics import TargetMetrics
@@ -459,6 +461,19 @@ async def test_a_sampled_request_needs_valid_probabilities(make):
     h, seq = await _prefilled(make, temperature=0.8)
     h.propose(seq, N, T[1:2], probs=b"\x07garbage", probs_top_k=4)
     assert h.count("tandem_draft_rejected_proposals_total", reason="probs") == 1
+
+
+@pytest.mark.parametrize("top_k, rejected", [(1, 0), (4, 0), (5, 1)])
+async def test_a_proposal_may_carry_fewer_probability_entries_than_announced(make, top_k, rejected):
+    """A drafter may send point masses (K=1, the suffix drafter in front of the model) under the K it
+    announced (4 here), never more."""
+    h, seq = await _prefilled(make, temperature=0.8)
+    q = torch.zeros(1, VOCAB)
+    q[0, T[1]], q[0, 1:top_k] = 1.0, 0.5
+    h.propose(seq, N, T[1:2], probs=pack(encode(q, top_k)), probs_top_k=top_k)
+    await h.engine.step()
+    assert h.count("tandem_draft_rejected_proposals_total", reason="probs") == rejected
+    assert h.verified_drafts(seq) == ([] if rejected else [T[1]])
 
 
 # ---- waiting for drafts ------------------------------------------------------------------------------

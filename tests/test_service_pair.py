@@ -89,6 +89,31 @@ def test_a_target_that_keeps_no_predrafts_is_sent_none(model_pair):
     assert metric(target_samples, "tandem_draft_rejected_proposals_total", reason="base_len") == 0
 
 
+suffix_pair = _pair_fixture("suffix")
+suffix_model_pair = _pair_fixture("suffix+model", ["--sync-speculation"])
+
+
+def test_greedy_with_suffix_drafter_is_token_identical(suffix_pair):
+    _greedy_identity(suffix_pair[1])
+
+
+def test_suffix_in_front_of_the_model_is_lossless_and_its_point_masses_are_verified(suffix_model_pair):
+    """Its suffix drafts carry one-entry q' rows under the model's announced K: the target takes them."""
+    draft, target = suffix_model_pair
+    _greedy_identity(target)
+    before = scrape(target.metrics_url)
+    sampled = [greedy_request(p, MAX_TOKENS) for p in PROMPTS]
+    for seed, request in enumerate(sampled):
+        request.sampling_params.temperature, request.sampling_params.seed = 0.8, seed
+    results = run_requests(target.address, sampled)
+    after = scrape(target.metrics_url)
+    assert all(r.token_ids for r in results)
+    assert metric(scrape(draft.metrics_url), "tandem_draft_suffix_proposals_total") > 0
+    assert metric(after, "tandem_draft_rejected_proposals_total", reason="probs") \
+        == metric(before, "tandem_draft_rejected_proposals_total", reason="probs")
+    assert sum(r.draft_tokens for r in results) > 0 and sum(r.accepted_tokens for r in results) > 0
+
+
 # The asynchronous default: sequences opened for pre-drafts, the target caching them.
 cached_pair = _pair_fixture("model", ["--dtype", "bfloat16"])
 
