@@ -65,8 +65,8 @@ async def run_generate(args: argparse.Namespace) -> int:
         except grpc.aio.AioRpcError as err:
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
-    print()
-    print(result.summary())
+    print()  # stdout holds only the generated text, so that `tandem generate ... > out.txt` keeps the answer
+    print(result.summary(), file=sys.stderr)
     return 0
 
 

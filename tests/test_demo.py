@@ -11,8 +11,9 @@ def test_the_demo_streams_a_chat_with_the_distilled_drafter_and_stops_cleanly():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "smollm2-135m-draft" in done.stdout
-    summary = re.search(r"(\d+) tokens · .* acceptance (\d+)% · mean acceptance length ([\d.]+)", done.stdout)
-    assert summary, done.stdout
+    # The statistics line goes to stderr, the streamed text to stdout (as `tandem generate` does).
+    summary = re.search(r"(\d+) tokens · .* acceptance (\d+)% · mean acceptance length ([\d.]+)", done.stderr)
+    assert summary, done.stderr
     assert int(summary.group(1)) == 24
     assert int(summary.group(2)) > 0 and float(summary.group(3)) > 1, "no draft was accepted"
     assert "stopped both services (exit codes 0, 0)" in done.stdout

@@ -152,7 +152,11 @@ def test_tandem_generate_cli_speaks_tls_and_token(services, pki, capsys):
     with pytest.raises(SystemExit) as code:
         main(["generate", "Hi", "--target", services["good"].address, "--max-tokens", "3",
               "--ca-cert", pki["ca"].ca_file, "--token-file", pki["token_file"]])
-    assert code.value.code == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert code.value.code == 0, err
+    # The answer alone on stdout (`tandem generate ... > out.txt`); the statistics line on stderr.
+    assert out.strip() and "tok/s" not in out and "TTFT" not in out
+    assert "3 tokens" in err and "tok/s" in err
     with pytest.raises(SystemExit) as code:
         main(["generate", "Hi", "--target", services["good"].address, "--max-tokens", "3",
               "--ca-cert", pki["ca"].ca_file, "--token", "nope"])
