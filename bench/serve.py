@@ -40,6 +40,7 @@ RESULTS_DIR = Path(__file__).parent / "results"
 TANDEM_MODES = ("alone", "async", "sync")
 
 
+DRAFTERS = ("ngram", "model", "suffix", "suffix+model")  # the draft service's --drafter kinds
 # --full: every prompt (0 = all), longer answers, concurrency 16, both drafters, open loop at both T.
 FULL_DEFAULTS = {"num_prompts": 0, "max_tokens": 128, "concurrency": [1, 4, 16], "drafters": ["ngram", "model"],
                  "open_loop_temperatures": [0.0, 0.7]}
@@ -67,8 +68,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.num_prompts < 0 or self.max_tokens < 1 or self.rounds < 1 or min(self.concurrency) < 1:
             raise ValueError("--num-prompts >= 0, --max-tokens >= 1, --rounds >= 1, --concurrency >= 1")
-        if bad := set(self.drafters) - {"ngram", "model"}:
-            raise ValueError(f"--drafters takes ngram and/or model, got {sorted(bad)}")
+        if bad := set(self.drafters) - set(DRAFTERS):
+            raise ValueError(f"--drafters takes {', '.join(DRAFTERS)}, got {sorted(bad)}")
 
     @property
     def max_concurrency(self) -> int:
@@ -88,7 +89,7 @@ class Pair:
     def start(cls, config: BenchConfig, drafter: str, logs: Path) -> "Pair":
         slots = config.max_concurrency
         common = ["--threads", "1", "--max-model-len", "1024"]
-        draft_model = config.draft_model if drafter == "model" else config.model
+        draft_model = config.draft_model if "model" in drafter else config.model  # lookups: its tokenizer
         draft = ServiceProcess("draft_service", [*common, "--model", draft_model, "--drafter", drafter,
                                                  "--num-slots", str(2 * slots),
                                                  "--max-k", str(max(8, config.num_speculative_tokens))],
@@ -184,7 +185,8 @@ def run_drafter(config: BenchConfig, drafter: str, prompts: list[Prompt], hf, lo
         if config.rate > 0:
             patterns += [(t, Arrivals("open", rate=config.rate, seed=config.seed))
                          for t in config.open_loop_temperatures]
-        hf_modes = ["hf", f"hf_{drafter}"] if hf is not None else []
+        # HF has prompt lookup and assisted generation, no suffix decoding.
+        hf_modes = ["hf", *([f"hf_{drafter}"] if drafter in ("ngram", "model") else [])] if hf is not None else []
         for temperature, arrivals in patterns:
             with_hf = hf_modes if (temperature == 0 and arrivals == Arrivals("closed", 1)) else []
             modes = [*TANDEM_MODES, *with_hf]
@@ -212,7 +214,7 @@ def run_drafter(config: BenchConfig, drafter: str, prompts: list[Prompt], hf, lo
 
 # ---- reporting --------------------------------------------------------------------------------
 
-HEADER = (f"{'drafter':<7} {'mode':<8} {'T':>3} {'load':<10} {'TTFT p50/p90/p99 ms':>21} {'TPOT p50/p90 ms':>16} "
+HEADER = (f"{'drafter':<12} {'mode':<8} {'T':>3} {'load':<10} {'TTFT p50/p90/p99 ms':>21} {'TPOT p50/p90 ms':>16} "
           f"{'ITL p50':>7} {'e2e p50 s':>9} {'tok/s':>6} {'accept':>6} {'MAL':>5} {'miss':>5} {'err':>3}")
 
 
@@ -228,7 +230,7 @@ def format_row(cell: dict) -> str:
     s, server = cell["summary"], cell["server"] or {}
     ttft, tpot = s["ttft_s"], s["tpot_s"]
     acc = s["acceptance"]
-    return (f"{cell['drafter']:<7} {cell['mode']:<8} {cell['temperature']:>3g} {cell['label']:<10} "
+    return (f"{cell['drafter']:<12} {cell['mode']:<8} {cell['temperature']:>3g} {cell['label']:<10} "
             f"{_ms(ttft['p50']) + '/' + _ms(ttft['p90']) + '/' + _ms(ttft['p99']):>21} "
             f"{_ms(tpot['p50']) + '/' + _ms(tpot['p90']):>16} {_ms(s['itl_s']['p50']):>7} "
             f"{_num(s['e2e_s']['p50'], '.2f'):>9} {_num(s['throughput_tok_s'], '.1f'):>6} "
@@ -313,7 +315,7 @@ def acceptance_by_kind(cells: list[dict]) -> list[dict]:
 
 def print_ratios(report: dict) -> None:
     print("\nratios (p50 for TTFT and TPOT; throughput = output tokens/s over the run):")
-    print(f"{'drafter':<7} {'T':>3} {'load':<10} {'TTFT async/alone':>16} {'sync/alone':>10} "
+    print(f"{'drafter':<12} {'T':>3} {'load':<10} {'TTFT async/alone':>16} {'sync/alone':>10} "
           f"{'TPOT async/alone':>16} {'sync/alone':>10} {'async/sync':>10} {'tput async/alone':>16} "
           f"{'sync/alone':>10} {'async/sync':>10}")
     for r in report["ratios"]:
@@ -322,7 +324,7 @@ def print_ratios(report: dict) -> None:
                                "throughput_async_over_alone", "throughput_sync_over_alone",
                                "throughput_async_over_sync")]
         widths = (16, 10, 16, 10, 10, 16, 10, 10)
-        print(f"{r['drafter']:<7} {r['temperature']:>3g} {r['load']:<10} "
+        print(f"{r['drafter']:<12} {r['temperature']:>3g} {r['load']:<10} "
               + " ".join(f"{_num(v, '.2f'):>{w}}" for v, w in zip(vals, widths)))
     print("\nTandem vs HF transformers (T=0; HF runs requests one after another):")
     for r in report["hf_ratios"]:
@@ -360,7 +362,7 @@ def parse_config(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--temperatures", type=float, nargs="+", help="default 0 0.7")
     parser.add_argument("--rate", type=float, help="open-loop Poisson rate, requests/s; 0 skips it (default 2)")
     parser.add_argument("--open-loop-temperatures", type=float, nargs="+", help="default 0")
-    parser.add_argument("--drafters", nargs="+", choices=["ngram", "model"], help="default model (the distilled drafter)")
+    parser.add_argument("--drafters", nargs="+", choices=DRAFTERS, help="default model (the distilled drafter)")
     parser.add_argument("--num-speculative-tokens", type=int, help="k, for Tandem and HF (default 4)")
     parser.add_argument("--rounds", type=int, help="chunks the modes alternate over (default 2)")
     parser.add_argument("--no-hf", dest="hf", action="store_false", default=None, help="skip mode 4")

@@ -90,7 +90,7 @@ def _request(ids: list[int], max_tokens: int, speculate: bool) -> generation_pb2
     return generation_pb2.GenerateRequest(prompt_token_ids=generation_pb2.TokenIds(ids=ids), sampling_params=params)
 
 
-async def _generate_all(address: str, prompts: list[list[int]], max_tokens: int, speculate: bool,
+async def generate_all(address: str, prompts: list[list[int]], max_tokens: int, speculate: bool,
                         at_once: bool) -> tuple[float, list[list[int]]]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -105,10 +105,10 @@ async def _generate_all(address: str, prompts: list[list[int]], max_tokens: int,
 
 def tandem_cells(engine: str, target: ServiceProcess, dtype: str, prompts: list[list[int]], max_tokens: int,
                  speculate: bool, loads: tuple[bool, ...]) -> list[Cell]:
-    asyncio.run(_generate_all(target.address, prompts[:2], max_tokens, speculate, at_once=False))  # warm-up
+    asyncio.run(generate_all(target.address, prompts[:2], max_tokens, speculate, at_once=False))  # warm-up
     cells = []
     for at_once in loads:
-        seconds, outputs = asyncio.run(_generate_all(target.address, prompts, max_tokens, speculate, at_once))
+        seconds, outputs = asyncio.run(generate_all(target.address, prompts, max_tokens, speculate, at_once))
         cells.append(Cell(engine, dtype, "all at once" if at_once else "one at a time",
                           "ngram" if speculate else "none", sum(map(len, outputs)), seconds, outputs))
     return cells

@@ -18,14 +18,15 @@ PROMPT = "Write a short paragraph about why the ocean looks blue, then list thre
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--drafter", choices=["model", "ngram"], default="model")
+    parser.add_argument("--drafter", choices=["model", "ngram", "suffix", "suffix+model"],
+                        default="suffix+model", help="the draft service's --drafter (README, Drafters on CPU)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target")
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL,
                         help="the model drafter's model: the distilled drafter by default")
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="tandem-demo-"))
-    draft_model = args.draft_model if args.drafter == "model" else args.model
+    draft_model = args.draft_model if "model" in args.drafter else args.model  # lookup drafters: its tokenizer
     draft = ServiceProcess("draft_service", ["--drafter", args.drafter, "--model", draft_model, "--threads", "1"],
                            log_path=logs / "draft.log")
     target = ServiceProcess("target_service", ["--model", args.model, "--threads", "1", "--drafter", draft.address],

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 
-def test_the_demo_streams_a_chat_with_the_distilled_drafter_and_stops_cleanly():
+def test_the_demo_streams_a_chat_with_suffix_and_distilled_drafters_and_stops_cleanly():
     done = subprocess.run([sys.executable, "-m", "tandem.demo", "--max-tokens", "24"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -1,0 +1,146 @@
+"""Mean acceptance length of each drafter kind, per prompt kind, along the target's own greedy outputs.
+
+    python -m bench.drafter_mal [--per-kind 16] [--max-tokens 128] [--k 4] [--confidences 0.5,0.75,1]
+
+The target's greedy continuation of each bench prompt is generated once (cached in --cache). Then,
+for each drafter kind, a draft service starts (one thread), and this script plays a synchronous
+target on its Speculate stream: one sequence at a time, it sends the committed tokens, takes the
+proposal for them, commits the drafts that equal the target's continuation plus one more token,
+and sends that Extend. The mean acceptance length (MAL) is the tokens committed per verify step,
+what a greedy pair with --sync-speculation measures, without the timing noise. Prompts run in the
+bench's order on one stream, so the suffix drafter's shared cache holds the earlier outputs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+
+from bench.prompt_set import KINDS, load_prompts
+from tandem.generate import greedy_generate
+from tandem.launch import ServiceProcess
+from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from tandem.runtime import load_model
+from tandem.v1 import drafter_pb2 as pb
+from tandem.v1 import drafter_pb2_grpc
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    kind: str
+    prompt: list[int]
+    output: list[int]  # the target's greedy continuation
+
+
+def target_outputs(per_kind: int, max_tokens: int, model: str, cache: Path) -> list[Case]:
+    """Each kind's first `per_kind` prompts, interleaved as the bench file has them, with the target's outputs."""
+    key = f"{model}:{per_kind}:{max_tokens}"
+    if cache.exists() and (saved := json.loads(cache.read_text())).get("key") == key:
+        return [Case(**case) for case in saved["cases"]]
+    loaded = load_model(model, num_slots=1)
+    taken: dict[str, int] = defaultdict(int)
+    cases = []
+    for prompt in load_prompts():
+        if taken[prompt.kind] >= per_kind:
+            continue
+        taken[prompt.kind] += 1
+        ids = loaded.tokenizer.encode_chat(prompt.as_dicts())
+        output = greedy_generate(loaded.model, ids, max_tokens, stop_token_ids=loaded.tokenizer.eos_token_ids)
+        cases.append(Case(prompt.kind, ids, output))
+    cache.write_text(json.dumps({"key": key, "cases": [asdict(case) for case in cases]}))
+    return cases
+
+
+async def proposal_for(call: grpc.aio.StreamStreamCall, seq_id: int, base_len: int) -> list[int]:
+    """The drafts of the drafter's proposal for the sequence's first base_len tokens."""
+    while True:
+        message = await asyncio.wait_for(call.read(), 120)
+        if message is grpc.aio.EOF:
+            raise RuntimeError("the drafter ended the stream")
+        for proposal in message.proposals:
+            if proposal.seq_id == seq_id and proposal.base_len == base_len and not proposal.assumed_ids:
+                return list(proposal.token_ids)
+
+
+async def replay(call: grpc.aio.StreamStreamCall, case: Case, seq_id: int, k: int) -> tuple[int, int]:
+    """Synchronous greedy speculation along the case's output: (verify steps, tokens committed)."""
+    await call.write(pb.TargetUpdate(opens=[pb.SequenceOpen(seq_id=seq_id, prompt_ids=case.prompt, k=k)]))
+    steps = committed = 0
+    while committed < len(case.output):
+        drafts = await proposal_for(call, seq_id, len(case.prompt) + committed)
+        truth = case.output[committed : committed + len(drafts)]
+        accepted = next((i for i, (d, t) in enumerate(zip(drafts, truth)) if d != t), len(truth))
+        new = case.output[committed : committed + accepted + 1]
+        steps += 1
+        if committed + len(new) < len(case.output):
+            await call.write(pb.TargetUpdate(extends=[pb.SequenceExtend(
+                seq_id=seq_id, start=len(case.prompt) + committed, token_ids=new)]))
+        committed += len(new)
+    await call.write(pb.TargetUpdate(closes=[pb.SequenceClose(seq_id=seq_id)]))
+    return steps, committed
+
+
+async def measure(address: str, cases: list[Case], k: int) -> dict[str, float]:
+    """MAL per prompt kind and over all, the cases one after another on one stream."""
+    steps: dict[str, int] = defaultdict(int)
+    tokens: dict[str, int] = defaultdict(int)
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = drafter_pb2_grpc.DrafterStub(channel).Speculate()
+        for seq_id, case in enumerate(cases):
+            s, t = await replay(call, case, seq_id, k)
+            steps[case.kind] += s
+            tokens[case.kind] += t
+        call.cancel()
+    result = {kind: tokens[kind] / steps[kind] for kind in KINDS if steps[kind]}
+    result["all"] = sum(tokens.values()) / max(1, sum(steps.values()))
+    return result
+
+
+def variants(confidences: list[float]) -> dict[str, list[str]]:
+    """Draft-service flags by row name."""
+    rows = {"ngram": ["--drafter", "ngram"], "suffix": ["--drafter", "suffix"], "model": ["--drafter", "model"]}
+    for share in confidences:
+        rows[f"suffix+model@{share:g}"] = ["--drafter", "suffix+model", "--suffix-confidence", str(share)]
+    return rows
+
+
+def run_variant(flags: list[str], cases: list[Case], args: argparse.Namespace, log: Path) -> dict[str, float]:
+    longest = max(len(c.prompt) + len(c.output) for c in cases) + args.k + 2
+    draft = ServiceProcess("draft_service", ["--model", args.draft_model, "--threads", "1", "--max-k", str(args.k),
+                                             "--max-model-len", str(longest), *flags], log_path=log)
+    try:
+        draft.start().wait_healthy(timeout=300)
+        return asyncio.run(measure(draft.address, cases, args.k))
+    finally:
+        draft.kill()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--per-kind", type=int, default=16, help="prompts of each kind")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
+    parser.add_argument("--confidences", default="0.5,0.75,1", help="suffix+model thresholds to try (share of k)")
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "tandem-drafter-mal.json")
+    args = parser.parse_args(argv)
+    cases = target_outputs(args.per_kind, args.max_tokens, args.model, args.cache)
+    log_dir = Path(tempfile.mkdtemp())
+    print(f"{len(cases)} prompts, {sum(len(c.output) for c in cases)} target tokens, k={args.k}, greedy "
+          f"(logs: {log_dir})")
+    print(f"| drafter | {' | '.join(KINDS)} | all |")
+    print(f"|---|{'---|' * len(KINDS)}---|")
+    for name, flags in variants([float(s) for s in args.confidences.split(",") if s]).items():
+        mal = run_variant(flags, cases, args, log_dir / f"{name}.log")
+        print(f"| {name} | {' | '.join(f'{mal.get(kind, 0):.2f}' for kind in (*KINDS, 'all'))} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
