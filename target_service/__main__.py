@@ -17,7 +17,9 @@ HELP = {
     "threads": "torch CPU threads; give each service its own cores",
     "max_num_seqs": "running sequences, each holding one KV-cache slot",
     "max_queue": "waiting requests beyond which new ones get RESOURCE_EXHAUSTED",
-    "drafter": "host:port of a draft service; empty serves without speculation",
+    "drafter": "host:port of a draft service; several, comma-separated, or dns:///host:port (every address the "
+               "name resolves to): the target streams to one and fails over to the next; empty serves without "
+               "speculation",
     "draft_wait_ms": "the most a step waits for late drafts; it waits less when the drafts are worth less "
                      "(expected accepted tokens x step time) and not at all for a drafter slower than that; "
                      "0 never waits",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from target_service.drafter_addresses import DrafterAddresses
 from tandem.tls import ClientTls, ServerTls, read_token
 
 
@@ -18,7 +19,8 @@ class TargetConfig:
     max_num_seqs: int = 8  # running sequences, one KV slot each
     max_model_len: int = 2048
     max_queue: int = 64  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
-    drafter: str = ""  # host:port of the draft service; empty serves without speculation
+    # host:port of a draft service, several comma-separated, or dns:///host:port; empty: no speculation
+    drafter: str = ""
     num_speculative_tokens: int = 4
     draft_wait_ms: float = 50.0  # the most a step waits for drafts (the policy usually waits less); 0 never waits
     sync_speculation: bool = False  # wait for each step's drafts (the pre-non-blocking baseline)
@@ -53,6 +55,8 @@ class TargetConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")
         self.server_tls()
         self.drafter_link_tls()
+        if self.drafter:
+            DrafterAddresses.parse(self.drafter)
         if self.auth_token and self.auth_token_file:
             raise ValueError("give --auth-token or --auth-token-file, not both")
 

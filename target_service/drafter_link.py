@@ -4,15 +4,22 @@ Sending never blocks a step: updates go into a queue that the stream drains. Whi
 is down, updates are dropped; on reconnect every running sequence is opened afresh. A drafter
 that stops reading would let that queue grow without end, so past a bound the link is dropped
 and made again, like any other drafter failure.
+
+With several drafters (drafter_addresses.py) the link holds one stream, to one of them: it starts
+at a random one, so that targets spread over the drafters, and after a failure it moves on to the
+next at once, reopening its sequences there; it waits out the backoff only once every drafter has
+failed in a row.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 import grpc
 
 from target_service.draft_tracker import DraftTracker
+from target_service.drafter_addresses import Candidate, DrafterAddresses
 from target_service.metrics import TargetMetrics
 from tandem.grpc_server import channel_options
 from tandem.tls import ClientTls
@@ -34,10 +41,11 @@ class DrafterStalled(Exception):
 
 
 class DrafterLink:
-    def __init__(self, address: str, tracker: DraftTracker, metrics: TargetMetrics, *, vocab_size: int,
-                 tokenizer_fingerprint: str, reconnect_max_seconds: float, max_message_bytes: int,
+    def __init__(self, drafters: str | DrafterAddresses, tracker: DraftTracker, metrics: TargetMetrics, *,
+                 vocab_size: int, tokenizer_fingerprint: str, reconnect_max_seconds: float, max_message_bytes: int,
                  tls: ClientTls | None = None, max_pending_updates: int = MAX_PENDING_UPDATES):
-        self.address = address
+        self.drafters = drafters if isinstance(drafters, DrafterAddresses) else DrafterAddresses.parse(drafters)
+        self.address = ""  # the drafter tried or connected last
         self.tracker = tracker  # hears every proposal, and reopens the running sequences on each connect
         self.metrics = metrics
         self.vocab_size = vocab_size
@@ -48,6 +56,7 @@ class DrafterLink:
         self.max_pending_updates = max_pending_updates
         self._call: grpc.aio.StreamStreamCall | None = None
         self._stalled = False
+        self._went_up = False  # whether the current attempt connected
         self.info: drafter_pb2.DrafterInfo | None = None
         self.connected = False
         self._queue: asyncio.Queue[drafter_pb2.TargetUpdate] = asyncio.Queue()
@@ -82,10 +91,17 @@ class DrafterLink:
 
     async def _run(self) -> None:
         backoff = INITIAL_BACKOFF_SECONDS
+        turn = random.randrange(1 << 16)  # which drafter first: targets spread over them
+        failed_in_a_row = 0
         while True:
+            candidates = await self.drafters.resolve()
+            self._went_up = False
             try:
-                await self._session()
-                backoff = INITIAL_BACKOFF_SECONDS  # it was up; a fresh failure starts the backoff over
+                if not candidates:
+                    raise LookupError("the drafter's DNS name resolved to no address")
+                candidate = candidates[turn % len(candidates)]
+                self.address = candidate.address
+                await self._session(candidate)
             except asyncio.CancelledError:
                 raise
             except DrafterStalled as err:
@@ -95,15 +111,27 @@ class DrafterLink:
                 backoff = self.reconnect_max_seconds
             except grpc.aio.AioRpcError as err:
                 log.warning("drafter at %s: %s (%s)", self.address, err.code().name, err.details())
+            except LookupError as err:
+                log.warning("drafter %s: %s", self.drafters.endpoints[0].address, err)
             except Exception:
                 log.exception("drafter link failed")
             finally:
                 self._set_connected(False)
+            was_up = self._went_up
+            turn += 1  # the next drafter: one that just failed is tried again last
+            failed_in_a_row = 0 if was_up else failed_in_a_row + 1
+            if was_up:
+                backoff = INITIAL_BACKOFF_SECONDS  # it was up; a fresh failure starts the backoff over
+            if was_up or failed_in_a_row < len(candidates):
+                await asyncio.sleep(INITIAL_BACKOFF_SECONDS)
+                continue
+            failed_in_a_row = 0  # every drafter failed in a row: wait before the next round
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.reconnect_max_seconds)
 
-    async def _session(self) -> None:
-        async with self._channel() as channel:
+    async def _session(self, candidate: Candidate) -> None:
+        """One stream to one drafter, until it ends; raises on failures. Sets _went_up once connected."""
+        async with self._channel(candidate) as channel:
             stub = drafter_pb2_grpc.DrafterStub(channel)
             info = await stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=5.0)
             self._check(info)
@@ -111,6 +139,7 @@ class DrafterLink:
             self._queue = asyncio.Queue()
             self._stalled = False
             self._set_connected(True)
+            self._went_up = True
             log.info("drafter connected: %s (%s, k <= %d) at %s", info.model, info.kind, info.max_k, self.address)
             self._queue.put_nowait(self.tracker.reopen_all())
             self._call = call = stub.Speculate(self._updates())
@@ -126,12 +155,14 @@ class DrafterLink:
                 self._call = None
             log.warning("drafter at %s closed the stream", self.address)
 
-    def _channel(self) -> grpc.aio.Channel:
+    def _channel(self, candidate: Candidate) -> grpc.aio.Channel:
         # Certificates are read at each connect, so that rotated files are picked up on reconnect.
         options = channel_options(self.max_message_bytes)
         if self.tls is None:
-            return grpc.aio.insecure_channel(self.address, options=options)
-        return grpc.aio.secure_channel(self.address, self.tls.credentials(), options=options)
+            return grpc.aio.insecure_channel(candidate.address, options=options)
+        if candidate.server_name:  # an address from DNS: the certificate names the DNS name, not the IP
+            options = [*options, ("grpc.ssl_target_name_override", candidate.server_name)]
+        return grpc.aio.secure_channel(candidate.address, self.tls.credentials(), options=options)
 
     async def _updates(self):
         while True:
