@@ -48,10 +48,10 @@ def _binary(name: str, package: str) -> str:
 
 # ---- compose files ----
 
-def _compose_config(name: str) -> dict:
+def _compose_config(name: str, env: dict[str, str] | None = None) -> dict:
     """The file as docker-compose resolves it (interpolated, `extends` applied): it must validate."""
     done = subprocess.run([_binary("docker-compose", "docker-compose"), "-f", str(DEPLOY / name), "config"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
     assert done.returncode == 0, f"docker-compose config {name}:\n{done.stderr}"
     return yaml.safe_load(done.stdout)
 
@@ -62,7 +62,10 @@ def test_compose_file_validates_with_healthchecks_and_monitoring(name):
     assert set(services) == {"target", "draft", "prometheus", "grafana"}
     for service, port in (("target", 50051), ("draft", 50052)):
         assert services[service]["healthcheck"]["test"] == ["CMD", "python", "deploy/healthcheck.py",
-                                                            f"127.0.0.1:{port}"]
+                                                            f"127.0.0.1:{port}", "--ca-cert=",
+                                                            f"--server-name={service}"]
+        # TLS off: empty flags, which the services read as their defaults.
+        assert "--tls-cert=" in services[service]["command"] and "--tls-key=" in services[service]["command"]
         assert "--host=0.0.0.0" in services[service]["command"]
     assert services["target"]["depends_on"] == {"draft": {"condition": "service_healthy"}}
     assert "--drafter=draft:50052" in services["target"]["command"]
@@ -289,6 +292,22 @@ def test_alert_rules_evaluate_and_see_the_pair_up_and_connected(observed_pair):
         assert rule["health"] == "ok", (name, rule.get("lastError"))
     assert rules["TandemServiceDown"]["state"] == "inactive"
     assert rules["TandemDrafterDisconnected"]["state"] == "inactive"
+
+
+TLS_ENV = {"TLS_DIR": "/srv/tls", "TLS_CA": "/tls/ca.crt", "DRAFT_TLS_CERT": "/tls/draft.crt",
+           "DRAFT_TLS_KEY": "/tls/draft.key", "TARGET_TLS_CERT": "/tls/target.crt", "TARGET_TLS_KEY": "/tls/target.key"}
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.cpu.yml"])
+def test_compose_files_follow_the_tls_settings(name):
+    services = _compose_config(name, TLS_ENV)["services"]
+    for service in ("draft", "target"):
+        command, probe = services[service]["command"], services[service]["healthcheck"]["test"]
+        prefix = service.upper()
+        assert f"--tls-cert=/tls/{service}.crt" in command and f"--tls-key=/tls/{service}.key" in command, prefix
+        assert "--ca-cert=/tls/ca.crt" in probe and f"--server-name={service}" in probe
+        assert "/srv/tls:/tls:ro" in services[service]["volumes"]
+    assert "--drafter-ca=/tls/ca.crt" in services["target"]["command"]
 
 
 def test_healthcheck_probe_reports_serving_and_down(observed_pair):

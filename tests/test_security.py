@@ -6,7 +6,10 @@ from another CA. The drafter must take only the first.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -162,6 +165,25 @@ def test_tandem_generate_cli_speaks_tls_and_token(services, pki, capsys):
               "--ca-cert", pki["ca"].ca_file, "--token", "nope"])
     assert code.value.code == 1
     assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_the_healthcheck_probe_follows_the_services_tls(services, pki):
+    """Plaintext fails against TLS; the CA verifies; a service requiring mTLS wants a client cert."""
+    probe = [sys.executable, str(Path(__file__).parent.parent / "deploy" / "healthcheck.py"), "--timeout", "5"]
+
+    def check(address: str, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*probe, address, *flags], capture_output=True, text=True, timeout=60)
+
+    good, draft = services["good"].address, services["draft"].address
+    assert check(good).returncode == 1
+    ok = check(good, "--ca-cert", pki["ca"].ca_file)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    assert check(good, "--ca-cert", pki["ca"].ca_file, "--server-name", "not-the-server").returncode == 1
+    assert check(draft, "--ca-cert", pki["ca"].ca_file).returncode == 1
+    mtls = check(draft, "--ca-cert", pki["ca"].ca_file, "--client-cert", pki["target"].cert,
+                 "--client-key", pki["target"].key)
+    assert mtls.returncode == 0 and "SERVING" in mtls.stdout, mtls.stderr
+    assert check(draft, "--client-cert", pki["target"].cert).returncode == 2  # half a client identity
 
 
 @pytest.mark.parametrize("fields, flag", [
