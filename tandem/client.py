@@ -1,6 +1,7 @@
 """A client of the public Generation API: one streamed request, with what a user measures of it."""
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,9 +114,17 @@ class _UnaryStreamBearer(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._details(details), request)
 
 
+# Client-side load balancing: where the target's name resolves to several replicas
+# (dns:///targets.tandem.svc:50051, or ipv4:10.0.0.1:50051,10.0.0.2:50051), calls go round-robin
+# over every one that is up, instead of all to the first (grpc's default, pick_first).
+ROUND_ROBIN_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+
+
 def open_channel(address: str, tls: ClientTls | None = None, token: str = "",
-                 options: list[tuple[str, int]] | None = None) -> grpc.aio.Channel:
-    """A channel to a target: plaintext, or TLS (mTLS with a client cert) when `tls` is given."""
+                 options: list[tuple[str, int | str]] | None = None) -> grpc.aio.Channel:
+    """A channel to a target: plaintext, or TLS (mTLS with a client cert) when `tls` is given; calls
+    spread round-robin over the addresses the target name resolves to."""
+    options = [("grpc.service_config", ROUND_ROBIN_SERVICE_CONFIG), *(options or [])]
     interceptors = [_UnaryUnaryBearer(token), _UnaryStreamBearer(token)] if token else None
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)

@@ -1,4 +1,4 @@
-"""A target with several drafters: --drafter lists and dns:/// names, and failover when its drafter dies."""
+"""Several of each: a target with several drafters (lists, dns:/// names, failover), clients over target replicas."""
 from __future__ import annotations
 
 import asyncio
@@ -105,3 +105,21 @@ def test_a_dns_name_finds_the_drafter(two_drafters, tmp_path):
         assert _streams(two_drafters[0]) == 1 and _streams(two_drafters[1]) == 0
     finally:
         target.kill()
+
+
+def test_a_client_spreads_its_calls_round_robin_over_target_replicas(tmp_path):
+    """tandem.client's channels balance over every address a target name resolves to."""
+    targets = [ServiceProcess("target_service", [*COMMON, "--max-num-seqs", "2"],
+                              log_path=tmp_path / f"target-{i}.log").start() for i in range(2)]
+    try:
+        for target in targets:
+            target.wait_healthy()
+        both = "ipv4:" + ",".join(f"127.0.0.1:{t.port}" for t in targets)
+        results = run_requests(both, [greedy_request(PROMPTS[0], 2)] * 8, concurrency=1)
+        assert all(len(r.token_ids) == 2 for r in results)
+        served = [sum(s.value for s in scrape(t.metrics_url) if s.name == "tandem_request_success_total")
+                  for t in targets]
+        assert served == [4, 4]
+    finally:
+        for target in targets:
+            target.kill()
