@@ -29,6 +29,7 @@ class DraftConfig:
     dtype: str = "auto"  # bf16 for a drafter file, on CUDA and on CPUs with the native decoder, else fp32
     threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
     num_slots: int = 8
+    max_seqs_per_target: int = 0  # 0: a target may take every slot
     max_model_len: int = 2048
     max_k: int = 8
     max_fanout: int = -1  # outcomes pre-drafted per proposal at most; -1: all, 0: off
@@ -84,6 +85,8 @@ HELP = {
              "x86 CPUs the native decoder runs on, else float32)",
     "threads": "torch CPU threads; give each service its own cores",
     "num_slots": "KV slots: sequences drafted at once; further Opens are refused",
+    "max_seqs_per_target": "sequences one target (one Speculate stream) may hold, so that a drafter shared by "
+                           "several targets serves each; 0: no cap but --num-slots",
     "max_model_len": "the longest sequence, prompt included, that the drafter holds",
     "max_k": "the largest k (draft tokens per proposal) that an Open may ask for",
     "max_fanout": "pre-drafting: the most outcomes of one proposal (j drafts accepted, then a guessed token) "
@@ -118,6 +121,7 @@ _RANGES = {
     "metrics_port": (0, 65535),
     "threads": (1, None),
     "num_slots": (1, None),
+    "max_seqs_per_target": (0, None),
     "max_model_len": (1, None),
     "max_k": (1, None),
     "max_fanout": (-1, None),

@@ -45,6 +45,7 @@ class Limits:
     max_model_len: int
     max_k: int
     num_slots: int
+    max_seqs_per_target: int = 0  # sequences one stream (one target) may hold; 0: up to num_slots
 
 
 @dataclass(slots=True)
@@ -164,7 +165,7 @@ class DraftScheduler:
             raise InvalidUpdate("duplicate_seq", "the sequence is already open")
         sampling = Sampling.from_proto(msg.sampling)
         try:
-            self._check_open(msg, sampling)
+            self._check_open(stream, msg, sampling)
         except InvalidUpdate:
             stream.refused.add(msg.seq_id)
             stream.undrafted.append(nothing_for(msg.seq_id, len(msg.prompt_ids)))
@@ -179,7 +180,7 @@ class DraftScheduler:
         self._slot_ops.append(SlotOp(sequence.key, opening=True))
         self._dirty[sequence.key] = sequence
 
-    def _check_open(self, msg: drafter_pb2.SequenceOpen, sampling: Sampling) -> None:
+    def _check_open(self, stream: Stream, msg: drafter_pb2.SequenceOpen, sampling: Sampling) -> None:
         limits = self._limits
         if not msg.prompt_ids:
             raise InvalidUpdate("empty_prompt", "the prompt is empty")
@@ -193,6 +194,9 @@ class DraftScheduler:
             raise InvalidUpdate("bad_sampling", problem)
         if self._num_sequences >= limits.num_slots:
             raise InvalidUpdate("no_free_slot", f"all {limits.num_slots} slots are in use")
+        if limits.max_seqs_per_target and len(stream.sequences) >= limits.max_seqs_per_target:
+            raise InvalidUpdate("target_quota", f"this target holds {len(stream.sequences)} sequences, "
+                                                f"max_seqs_per_target={limits.max_seqs_per_target}")
 
     def _check_token_ids(self, token_ids: Iterable[int]) -> None:
         if token_ids and max(token_ids) >= self._limits.vocab_size:

@@ -115,7 +115,8 @@ async def serve(config: DraftConfig) -> None:
     """Loads the drafter, serves until SIGTERM/SIGINT, then ends the streams and stops."""
     loaded = load_drafter(config)
     limits = Limits(vocab_size=loaded.info.vocab_size, max_model_len=config.max_model_len,
-                    max_k=config.max_k, num_slots=config.num_slots)
+                    max_k=config.max_k, num_slots=config.num_slots,
+                    max_seqs_per_target=config.max_seqs_per_target)
     # Only a model has a distribution to guess recovered tokens from; the lookup drafters guess none.
     guesses = config.predraft_guesses if config.drafter in ("model", "suffix+model") else 1
     scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits, delay_s=config.delay_ms / 1000,

@@ -84,6 +84,25 @@ async def test_a_failed_round_answers_each_of_its_sequences_with_nothing():
         await scheduler.stop()
 
 
+async def test_one_target_may_hold_no_more_than_its_quota():
+    limits = Limits(vocab_size=100, max_model_len=64, max_k=4, num_slots=3, max_seqs_per_target=2)
+    metrics = DraftMetrics("test")
+    scheduler = DraftScheduler(NgramDrafter(1, 4), metrics, limits)
+    scheduler.start()
+    try:
+        greedy, other = scheduler.open_stream(), scheduler.open_stream()
+        scheduler.apply(greedy, _update(opens=[(1, PROMPT), (2, PROMPT), (3, PROMPT)]))
+        scheduler.apply(other, _update(opens=[(1, PROMPT)]))  # the slot the quota kept free
+        assert metrics.registry.get_sample_value(
+            "tandem_draft_invalid_updates_total", {"model": "test", "service": "draft", "reason": "target_quota"}) == 1
+        assert sorted(greedy.sequences) == [1, 2] and sorted(other.sequences) == [1]
+        scheduler.apply(greedy, _update(closes=[1]))
+        scheduler.apply(greedy, _update(opens=[(4, PROMPT)]))  # room again under its quota
+        assert sorted(greedy.sequences) == [2, 4]
+    finally:
+        await scheduler.stop()
+
+
 async def test_a_refused_open_and_its_extends_are_answered_at_once(scheduler):
     stream = scheduler.open_stream()
     scheduler.apply(stream, _update(opens=[(1, PROMPT), (2, PROMPT), (3, PROMPT)]))  # two slots
