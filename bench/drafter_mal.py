@@ -40,16 +40,18 @@ class Case:
 
 def target_outputs(per_kind: int, max_tokens: int, model: str, cache: Path) -> list[Case]:
     """Each kind's first `per_kind` prompts, interleaved as the bench file has them, with the target's outputs."""
-    key = f"{model}:{per_kind}:{max_tokens}"
+    taken: dict[str, int] = defaultdict(int)
+    chosen = []
+    for prompt in load_prompts():
+        if taken[prompt.kind] < per_kind:
+            taken[prompt.kind] += 1
+            chosen.append(prompt)
+    key = json.dumps([model, max_tokens, [p.as_dicts() for p in chosen]])  # a changed prompt file regenerates
     if cache.exists() and (saved := json.loads(cache.read_text())).get("key") == key:
         return [Case(**case) for case in saved["cases"]]
     loaded = load_model(model, num_slots=1)
-    taken: dict[str, int] = defaultdict(int)
     cases = []
-    for prompt in load_prompts():
-        if taken[prompt.kind] >= per_kind:
-            continue
-        taken[prompt.kind] += 1
+    for prompt in chosen:
         ids = loaded.tokenizer.encode_chat(prompt.as_dicts())
         output = greedy_generate(loaded.model, ids, max_tokens, stop_token_ids=loaded.tokenizer.eos_token_ids)
         cases.append(Case(prompt.kind, ids, output))

@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.prompt_set import KINDS
+from bench.prompt_set import kinds_with_data
 
 
 def _f(x, fmt: str) -> str:
@@ -49,12 +49,13 @@ def results_markdown(report: dict) -> str:
         lines.append(f"| {r['drafter']} | {r['load']} | {r['tandem_mode']} | {_f(r['tandem_tok_s'], '.1f')} | "
                      f"{_f(r['hf_tok_s'], '.1f')} | {_f(r['tandem_over_hf'], '.2f')} | "
                      f"{_f(r['hf_spec_tok_s'], '.1f')} | {_f(r['tandem_over_hf_spec'], '.2f')} |")
+    present = kinds_with_data(report["acceptance_by_kind"])
     lines += ["", "Acceptance rate / mean acceptance length per prompt kind (pooled over loads), draft-miss rate:", "",
-              "| drafter | mode | T | " + " | ".join(KINDS) + " | draft-miss rate |",
-              "|---|---|---|" + "---|" * (len(KINDS) + 1)]
+              "| drafter | mode | T | " + " | ".join(present) + " | draft-miss rate |",
+              "|---|---|---|" + "---|" * (len(present) + 1)]
     for r in report["acceptance_by_kind"]:
         kinds = " | ".join(f"{_f(r[k]['acceptance_rate'], '.0%')} / {_f(r[k]['mean_acceptance_length'], '.2f')}"
-                           for k in KINDS)
+                           for k in present)
         lines.append(f"| {r['drafter']} | {r['mode']} | {r['temperature']:g} | {kinds} | "
                      f"{_f(r['draft_miss_rate'], '.0%')} |")
     return "\n".join(lines) + "\n"

@@ -1,8 +1,12 @@
 """The bundled prompt set: bench/prompts/prompts.jsonl, one prompt a line, written for Tandem.
 
-Each line is {"id", "kind", "messages"}; kind is chat (questions), code (write or edit code) or
-rewrite (summarize or rewrite a passage given in the prompt, so the answer copies from it).
-The file interleaves the kinds, so the first n prompts hold all three in equal shares.
+Each line is {"id", "kind", "messages"}. The first 208 prompts interleave three kinds, so that
+the first n hold them in equal shares: chat (questions), code (write or edit code) and rewrite
+(summarize or rewrite a passage given in the prompt, so the answer copies from it). After them,
+8 prompts of each of six kinds shaped like Spec-Bench's categories, so that acceptance per
+category can be set beside published tables: multiturn (a follow-up to an earlier exchange),
+translation (into English), summarization (news-style articles), qa (short factual questions),
+math (word problems, step by step) and rag (answer from the given documents).
 """
 from __future__ import annotations
 
@@ -11,7 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROMPTS_PATH = Path(__file__).parent / "prompts" / "prompts.jsonl"
-KINDS = ("chat", "code", "rewrite")
+KINDS = ("chat", "code", "rewrite", "multiturn", "translation", "summarization", "qa", "math", "rag")
+
+
+def kinds_with_data(rows: list[dict]) -> list[str]:
+    """The kinds (in KINDS order) that any per-kind report row has a figure for."""
+    return [k for k in KINDS if any(r[k]["mean_acceptance_length"] is not None for r in rows)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.load import Arrivals, RequestRecord, RunResult, run_load
 from bench.markdown import results_markdown
-from bench.prompt_set import KINDS, Prompt, load_prompts
+from bench.prompt_set import KINDS, Prompt, kinds_with_data, load_prompts
 from bench.scrape import counters, delta, server_summary
 from bench.stats import ratio, summarize
 from tandem.launch import ServiceProcess
@@ -332,9 +332,10 @@ def print_ratios(report: dict) -> None:
               f"  ÷ HF generate {_num(r['hf_tok_s'], '.1f')} = {_num(r['tandem_over_hf'], '.2f')}"
               f"  ÷ HF {r['drafter']} {_num(r['hf_spec_tok_s'], '.1f')} = {_num(r['tandem_over_hf_spec'], '.2f')}")
     print("\nacceptance rate / mean acceptance length per prompt kind (pooled over loads), draft-miss rate:")
+    present = kinds_with_data(report["acceptance_by_kind"])
     for r in report["acceptance_by_kind"]:
         kinds = "  ".join(f"{k} {_num(r[k]['acceptance_rate'], '.0%')}/{_num(r[k]['mean_acceptance_length'], '.2f')}"
-                          for k in KINDS)
+                          for k in present)
         print(f"  {r['drafter']:<6} {r['mode']:<5} T={r['temperature']:<3g} {kinds}  miss {_num(r['draft_miss_rate'], '.0%')}")
 
 
@@ -356,7 +357,7 @@ def environment() -> dict:
 def parse_config(argv: list[str] | None = None) -> BenchConfig:
     parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="every prompt, 128 tokens, c=1/4/16, both drafters")
-    parser.add_argument("--num-prompts", type=int, help="prompts per cell (0: all 208); default 16")
+    parser.add_argument("--num-prompts", type=int, help="prompts per cell (0: all 256); default 16")
     parser.add_argument("--max-tokens", type=int, help="default 48")
     parser.add_argument("--concurrency", type=int, nargs="+", help="closed-loop concurrencies; default 1 4")
     parser.add_argument("--temperatures", type=float, nargs="+", help="default 0 0.7")

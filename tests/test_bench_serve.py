@@ -12,14 +12,16 @@ from bench.prompt_set import KINDS, load_prompts  # noqa: E402
 from bench.stats import percentile, summarize  # noqa: E402
 
 
-def test_prompt_set_has_about_200_prompts_of_three_kinds_interleaved():
+def test_prompt_set_has_three_main_kinds_interleaved_then_six_spec_bench_like_kinds():
     prompts = load_prompts()
-    assert len(prompts) >= 200
-    assert len({p.id for p in prompts}) == len(prompts)
-    assert all(p.messages and p.messages[-1][1].strip() for p in prompts)
-    for kind in KINDS:
-        assert sum(p.kind == kind for p in prompts) >= 60
-    assert {p.kind for p in load_prompts(3)} == set(KINDS)  # any short prefix has every kind
+    main, categories = KINDS[:3], KINDS[3:]
+    assert len({p.id for p in prompts}) == len(prompts) == 208 + 8 * len(categories)
+    assert all(p.messages and p.messages[-1][0] == "user" and p.messages[-1][1].strip() for p in prompts)
+    for kind in main:
+        assert sum(p.kind == kind for p in prompts[:208]) >= 60
+    assert {p.kind for p in load_prompts(3)} == set(main)  # any short prefix has every main kind
+    assert [p.kind for p in prompts[208:]] == list(categories) * 8  # interleaved, 8 of each
+    assert all(len(p.messages) == 3 for p in prompts if p.kind == "multiturn")  # user, assistant, user
 
 
 def test_percentiles_and_summary():
