@@ -1,0 +1,111 @@
+"""deploy/k8s: every overlay renders with kustomize, validates against a pinned Kubernetes schema
+offline, and agrees with the services' config dataclasses (flags, ports, probes, grace)."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import fields
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from draft_service.config import DraftConfig
+from target_service.config import TargetConfig
+
+K8S = Path(__file__).parent.parent / "deploy" / "k8s"
+OVERLAYS = ("cpu", "gpu")
+KUBERNETES_VERSION = "1.32.0"
+SERVICES = {"tandem-target": (TargetConfig(), "target_service"), "tandem-draft": (DraftConfig(), "draft_service")}
+
+
+def _render(overlay: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the kustomize rendering is not checked")
+    done = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def objects(request) -> dict[tuple[str, str], dict]:
+    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in _render(request.param)}
+
+
+def _container(objects, name: str) -> dict:
+    [container] = objects[("Deployment", name)]["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _flags(container: dict) -> dict[str, str]:
+    return dict(arg[2:].split("=", 1) for arg in container["args"])
+
+
+def test_every_object_validates_against_the_pinned_schema(objects):
+    for (kind, name), doc in objects.items():
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    assert {kind for kind, _ in objects} == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget"}
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_flags_ports_and_probes_follow_the_service_config(objects, name):
+    config, module = SERVICES[name]
+    container = _container(objects, name)
+    assert container["command"] == ["python", "-m", module]
+    flags = _flags(container)
+    known = {f.name.replace("_", "-") for f in fields(config)}
+    assert set(flags) <= known, set(flags) - known
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": int(flags["port"]), "metrics": int(flags["metrics-port"])}
+    assert (int(flags["port"]), int(flags["metrics-port"])) == (config.port, config.metrics_port)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        handler = container[probe]
+        if "grpc" in handler:
+            assert handler["grpc"]["port"] == config.port
+        else:  # TLS: the probe runs deploy/healthcheck.py against the gRPC port
+            assert f"127.0.0.1:{config.port}" in handler["exec"]["command"]
+    grace = objects[("Deployment", name)]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > float(flags["grace-seconds"]), "a rolling update must let the service drain"
+
+
+def test_config_map_holds_every_variable_the_args_use(objects):
+    data = objects[("ConfigMap", "tandem-config")]["data"]
+    for name in SERVICES:
+        container = _container(objects, name)
+        assert container["envFrom"] == [{"configMapRef": {"name": "tandem-config"}}]
+        used = {v for arg in container["args"] for v in re.findall(r"\$\((\w+)\)", arg)}
+        assert used <= set(data), used - set(data)
+
+
+def test_targets_resolve_every_drafter_through_the_headless_service(objects):
+    drafter = _flags(_container(objects, "tandem-target"))["drafter"]
+    service = objects[("Service", "tandem-draft")]["spec"]
+    assert service["clusterIP"] == "None"
+    assert drafter == f"dns:///tandem-draft:{DraftConfig().port}"
+    assert {p["port"] for p in service["ports"]} == {DraftConfig().port, DraftConfig().metrics_port}
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_services_and_disruption_budgets_select_their_pods(objects, name):
+    labels = objects[("Deployment", name)]["spec"]["template"]["metadata"]["labels"]
+    for kind, key in (("Service", "selector"), ("PodDisruptionBudget", "selector")):
+        selector = objects[(kind, name)]["spec"][key]
+        selector = selector.get("matchLabels", selector)
+        assert selector.items() <= labels.items(), (kind, name)
+
+
+def test_the_gpu_overlay_asks_for_one_gpu_per_pod_and_links_with_mtls():
+    objects = {(doc["kind"], doc["metadata"]["name"]): doc for doc in _render("gpu")}
+    for name in SERVICES:
+        container = _container(objects, name)
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
+        assert _flags(container)["device"] == "cuda"
+    draft, target = _flags(_container(objects, "tandem-draft")), _flags(_container(objects, "tandem-target"))
+    assert draft["tls-client-ca"] and draft["tls-cert"] and draft["tls-key"]
+    assert target["drafter-ca"] == draft["tls-client-ca"] and target["drafter-client-cert"]
+    probe = _container(objects, "tandem-draft")["readinessProbe"]
+    assert "grpc" not in probe and "--client-cert=/etc/tandem/tls/tls.crt" in probe["exec"]["command"]
