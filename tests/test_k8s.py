@@ -2,6 +2,8 @@
 offline, and agrees with the services' config dataclasses (flags, ports, probes, grace)."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -109,3 +111,58 @@ def test_the_gpu_overlay_asks_for_one_gpu_per_pod_and_links_with_mtls():
     assert target["drafter-ca"] == draft["tls-client-ca"] and target["drafter-client-cert"]
     probe = _container(objects, "tandem-draft")["readinessProbe"]
     assert "grpc" not in probe and "--client-cert=/etc/tandem/tls/tls.crt" in probe["exec"]["command"]
+
+
+# ---- monitoring: Prometheus Operator objects and the dashboard ------------------------------------
+
+def _render_module():
+    spec = importlib.util.spec_from_file_location("k8s_monitoring_render", K8S / "monitoring" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_monitoring_files_are_rendered_from_the_compose_stacks_sources():
+    for name, render in _render_module().RENDERED.items():
+        assert (K8S / "monitoring" / name).read_text() == render(), f"{name} is stale: run render.py"
+
+
+def _monitoring() -> dict[str, dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the kustomize rendering is not checked")
+    done = subprocess.run([kubectl, "kustomize", str(K8S / "monitoring")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(done.stdout) if doc}
+
+
+def test_the_pod_monitor_scrapes_every_service_under_its_compose_job_name():
+    monitor = _monitoring()["PodMonitor"]["spec"]
+    [expression] = monitor["selector"]["matchExpressions"]
+    assert (expression["key"], set(expression["values"])) == ("app.kubernetes.io/name", set(SERVICES))
+    assert monitor["jobLabel"] == "app.kubernetes.io/name"  # job="tandem-target", as the alerts expect
+    [endpoint] = monitor["podMetricsEndpoints"]
+    for overlay in OVERLAYS:
+        objects = {(doc["kind"], doc["metadata"]["name"]): doc for doc in _render(overlay)}
+        for name in SERVICES:
+            assert endpoint["port"] in {p["name"] for p in _container(objects, name)["ports"]}
+
+
+def test_the_prometheus_rule_passes_promtool(tmp_path):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed: the rules' PromQL is not checked")
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump(_monitoring()["PrometheusRule"]["spec"]))
+    done = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "3 rules found" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_dashboard_config_map_asks_for_the_clusters_prometheus():
+    config_map = _monitoring()["ConfigMap"]
+    kubernetes_validate.validate(config_map, KUBERNETES_VERSION, strict=True)
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config_map["data"]["tandem.json"])
+    uids = re.findall(r'"uid": "([^"]*)"', json.dumps(dashboard))
+    assert dashboard["templating"]["list"][0]["type"] == "datasource"
+    assert set(uids) - {"tandem"} == {"${datasource}"}  # "tandem" is the dashboard's own uid
