@@ -16,6 +16,7 @@ import yaml
 
 from draft_service.config import DraftConfig
 from target_service.config import TargetConfig
+from target_service.metrics import TargetMetrics
 
 K8S = Path(__file__).parent.parent / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
@@ -166,3 +167,39 @@ def test_the_dashboard_config_map_asks_for_the_clusters_prometheus():
     uids = re.findall(r'"uid": "([^"]*)"', json.dumps(dashboard))
     assert dashboard["templating"]["list"][0]["type"] == "datasource"
     assert set(uids) - {"tandem"} == {"${datasource}"}  # "tandem" is the dashboard's own uid
+
+
+# ---- autoscaling: the HPA and prometheus-adapter's rules ------------------------------------------
+
+def test_the_hpa_scales_targets_on_a_gauge_they_export():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the kustomize rendering is not checked")
+    done = subprocess.run([kubectl, "kustomize", str(K8S / "autoscaling")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    [hpa] = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    kubernetes_validate.validate(hpa, KUBERNETES_VERSION, strict=True)
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "tandem-target"}
+    [metric] = hpa["spec"]["metrics"]
+    name = metric["pods"]["metric"]["name"]
+    exported = {m.name for m in TargetMetrics("m").registry.collect()}
+    assert name in exported and hpa["spec"]["minReplicas"] >= 2  # one target per PDB budget stays up
+    rules = yaml.safe_load((K8S / "autoscaling" / "prometheus-adapter-rules.yaml").read_text())["rules"]
+    assert [rule["name"]["as"] for rule in rules] == [name]
+
+
+def test_the_adapter_rules_are_valid_promql(tmp_path):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed: the rules' PromQL is not checked")
+    rules = yaml.safe_load((K8S / "autoscaling" / "prometheus-adapter-rules.yaml").read_text())["rules"]
+    # The adapter fills in its templates per query; a typical filling makes them plain PromQL.
+    filled = [rule["metricsQuery"].replace("<<.GroupBy>>", "pod").replace("<<.Series>>", rule["name"]["as"])
+              .replace("<<.LabelMatchers>>", 'namespace="tandem",pod=~"tandem-target-.*"') for rule in rules]
+    exprs = [rule["seriesQuery"] for rule in rules] + filled
+    check = tmp_path / "rules.yml"
+    check.write_text(yaml.safe_dump({"groups": [{"name": "adapter", "rules": [
+        {"record": f"tandem:adapter_check:{i}", "expr": expr} for i, expr in enumerate(exprs)]}]}))
+    done = subprocess.run([promtool, "check", "rules", str(check)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
