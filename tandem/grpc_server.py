@@ -43,12 +43,20 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+MAX_PENDING_CALLS = 20_000
+
+
 def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """The channel options, and acceptance of the clients' keepalive pings: gRPC servers answer
     pings more often than every 5 minutes with GOAWAY "too_many_pings" by default."""
     return channel_options(max_message_bytes) + [
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_ping_strikes", 0),
+        # Calls that arrived but that no handler has taken yet. Past gRPC's default (1,000) it
+        # cancels them (CANCELLED, "too many pending requests"): a burst of 2,000 streams lost
+        # about 180. The services answer a burst themselves, with RESOURCE_EXHAUSTED past --max-queue.
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
     ]
 
 
