@@ -125,3 +125,32 @@ def test_a_client_spreads_its_calls_round_robin_over_target_replicas(tmp_path):
     finally:
         for target in targets:
             target.kill()
+
+
+def test_two_targets_share_one_drafter(two_drafters, tmp_path):
+    draft = two_drafters[0]
+    targets = [ServiceProcess("target_service", [*COMMON, "--max-num-seqs", "4", "--drafter", draft.address],
+                              log_path=tmp_path / f"target-{i}.log").start() for i in range(2)]
+    try:
+        for target in targets:
+            target.wait_healthy()
+            target.wait_metric("tandem_drafter_connected", 1.0)
+        _wait(lambda: _streams(draft) == 2, "a stream from each target")
+        requests = [greedy_request(p, 32) for p in PROMPTS[:4]]
+        alone = run_requests(targets[0].address, [greedy_request(p, 32, speculate=False) for p in PROMPTS[:4]])
+        results: dict[int, list] = {}
+
+        def serve(i: int) -> None:
+            results[i] = run_requests(targets[i].address, requests)
+
+        workers = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=300)
+        for i in range(2):
+            assert [r.token_ids for r in results[i]] == [a.token_ids for a in alone]
+            assert sum(r.accepted_tokens for r in results[i]) > 0, f"target {i} verified no drafts"
+    finally:
+        for target in targets:
+            target.kill()
