@@ -161,7 +161,8 @@ def _status(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_generated_requests_end_cleanly_and_leave_the_server_sound(pair):
+@pytest.mark.parametrize("examples", [60, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_generated_requests_end_cleanly_and_leave_the_server_sound(pair, examples):
     target = pair
     good = greedy_request(PROMPTS[4], 8).SerializeToString()
     seen: dict[str, int] = {}
@@ -174,7 +175,7 @@ def test_generated_requests_end_cleanly_and_leave_the_server_sound(pair):
 
         reference = tokens(good)
 
-        @settings(max_examples=60, deadline=None, database=None,
+        @settings(max_examples=examples, deadline=None, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
         @given(requests())
         def check(wire: bytes) -> None:
