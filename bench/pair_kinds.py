@@ -19,13 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.prompt_set import KINDS
+from bench.serve import DRAFTERS
 from bench.versus_vllm import generate_all, prompt_ids
 from tandem.launch import ServiceProcess
 from tandem.metrics_scrape import metric, scrape
 from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
-
-DRAFTERS = ("ngram", "model", "suffix", "suffix+model")
-
 
 @dataclass(frozen=True, slots=True)
 class PairRow:
