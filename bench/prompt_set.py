@@ -7,6 +7,10 @@ the first n hold them in equal shares: chat (questions), code (write or edit cod
 category can be set beside published tables: multiturn (a follow-up to an earlier exchange),
 translation (into English), summarization (news-style articles), qa (short factual questions),
 math (word problems, step by step) and rag (answer from the given documents).
+
+bench/prompts/json_extraction.jsonl holds the structured-output set: {"id", "kind": "json", "schema",
+"messages", "reference"}, each a passage to extract into its JSON schema (nested objects, enums,
+arrays, numbers, strings with patterns), and a correct answer written by hand.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROMPTS_PATH = Path(__file__).parent / "prompts" / "prompts.jsonl"
+JSON_PROMPTS_PATH = Path(__file__).parent / "prompts" / "json_extraction.jsonl"
 KINDS = ("chat", "code", "rewrite", "multiturn", "translation", "summarization", "qa", "math", "rag")
 
 
@@ -33,13 +38,28 @@ class Prompt:
         return [{"role": role, "content": content} for role, content in self.messages]
 
 
+@dataclass(frozen=True, slots=True)
+class JsonPrompt(Prompt):
+    schema: dict
+    reference: dict  # a correct answer, which follows the schema
+
+
+def _rows(path: Path, limit: int | None) -> list[tuple[dict, tuple[tuple[str, str], ...]]]:
+    """Each line's fields and its messages as (role, content) pairs."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(row, tuple((m["role"], m["content"]) for m in row["messages"])) for row in rows[:limit or None]]
+
+
 def load_prompts(limit: int | None = None, path: Path = PROMPTS_PATH) -> list[Prompt]:
     prompts = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if row["kind"] not in KINDS:
-                raise ValueError(f"{path}: prompt {row['id']} has unknown kind {row['kind']!r}")
-            messages = tuple((m["role"], m["content"]) for m in row["messages"])
-            prompts.append(Prompt(row["id"], row["kind"], messages))
-    return prompts[:limit] if limit else prompts
+    for row, messages in _rows(path, limit):
+        if row["kind"] not in KINDS:
+            raise ValueError(f"{path}: prompt {row['id']} has unknown kind {row['kind']!r}")
+        prompts.append(Prompt(row["id"], row["kind"], messages))
+    return prompts
+
+
+def load_json_prompts(limit: int | None = None, path: Path = JSON_PROMPTS_PATH) -> list[JsonPrompt]:
+    """The JSON-extraction prompts, each with the schema its answer must follow."""
+    return [JsonPrompt(row["id"], row["kind"], messages, row["schema"], row["reference"])
+            for row, messages in _rows(path, limit)]

@@ -42,6 +42,7 @@ class DraftConfig:
     suffix_min_token_prob: float = 0.1
     suffix_cache_tokens: int = 200_000
     suffix_confidence: float = 0.75
+    grammar_cache_size: int = 256
     delay_ms: float = 0.0  # testing: simulates a slow drafter
     grace_seconds: float = 5.0
     log_level: str = "info"
@@ -107,6 +108,7 @@ HELP = {
                            "0: each request drafts from its own tokens only",
     "suffix_confidence": "suffix+model: take the suffix draft when its expected accepted tokens reach this "
                          "share of k, else ask the model",
+    "grammar_cache_size": "structured output: compiled grammars kept, by content hash (least recently used go first)",
     "delay_ms": "for tests: sleep this long before sending each batch of proposals (a slow drafter)",
     "grace_seconds": "on SIGTERM, how long the service may take to end its streams and stop",
     "log_level": "debug, info, warning or error",
@@ -134,6 +136,7 @@ _RANGES = {
     "suffix_min_token_prob": (0, 1),
     "suffix_cache_tokens": (0, None),
     "suffix_confidence": (0, 1),
+    "grammar_cache_size": (1, None),
     "delay_ms": (0, None),
     "grace_seconds": (0, None),
     "max_message_bytes": (1, None),

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kernels.compression import CompressedProbs, pack
 from kernels.sampling import effective_temperature
+from tandem.structured import Constraint
 from tandem.v1 import drafter_pb2
+
+if TYPE_CHECKING:
+    from draft_service.grammars import SequenceGrammar
 
 SeqKey = tuple[int, int]  # (stream id, sequence id): sequence ids are per Speculate stream
 
@@ -69,6 +73,14 @@ class DraftSequence:
     k: int
     accepts_assumed: bool = False  # the target keeps pre-drafts (proposals with assumed_ids) for it
     closed: bool = False  # set on the event loop; a running round drops the sequence when it sees it
+    constraint: Constraint | None = None  # structured output: drafts must follow it from constrained_from on
+    constrained_from: int = 0
+    grammar: SequenceGrammar | None = None  # the constraint compiled (grammars.py); the drafter's thread only
+
+    @property
+    def undraftable(self) -> bool:
+        """Constrained, but its grammar could not be compiled here: no draft could be trusted to follow it."""
+        return self.constraint is not None and self.grammar is None
 
 
 @dataclass(slots=True)
@@ -118,6 +130,13 @@ class Draft:
     # Not sent: recovered_guesses[i] are the drafter's guesses at the token the target emits if it
     # rejects token_ids[i], its most likely tokens other than token_ids[i], best first (empty: none).
     recovered_guesses: list[list[Guess]] = field(default_factory=list)
+    job: DraftJob | None = None  # not sent: the job it was drafted for
+
+    @property
+    def prefix(self) -> list[int]:
+        """The tokens the drafts continue: positions 0 .. base_len - 1."""
+        guessed = [self.assumed_ids[-1]] if self.job.guess_next else []
+        return self.job.tokens + guessed
 
     def to_proto(self) -> drafter_pb2.DraftProposal:
         return drafter_pb2.DraftProposal(seq_id=self.key[1], base_len=self.base_len, token_ids=self.token_ids,
@@ -132,7 +151,7 @@ def make_draft(job: DraftJob, token_ids: list[int], compressed: CompressedProbs 
     """
     assumed = job.tokens[job.known_len :] + ([] if guessed_next is None else [guessed_next])
     draft = Draft(job.sequence.key, job.base_len, token_ids, assumed_ids=assumed,
-                  recovered_guesses=recovered_guesses or [])
+                  recovered_guesses=recovered_guesses or [], job=job)
     if compressed is not None:
         draft.probs, draft.probs_top_k = pack(compressed), compressed.k
     return draft

@@ -6,6 +6,9 @@ fed one position at a time. A sequence's own slot keeps d1..d(k-1), so when the 
 tokens equal to those drafts, the next catch-up starts after them: accepted drafts cost no
 recompute. A rollback is a catch-up from an earlier position.
 
+Structured output: a constrained job's row carries a cursor of its grammar (grammars.py), and its
+logits are masked before each token is drawn, so its drafts, guesses and q follow the grammar.
+
 Pre-drafts (predraft.py) are more rows of the same forwards, each in a scratch slot that holds the
 prefix it shares with the sequence (kv_slots.py); rows are nearly free to a memory-bound drafter.
 A pre-draft of "all k drafts accepted" feeds d_k, takes the drafter's top token there as its guess
@@ -23,10 +26,13 @@ import torch
 from draft_service.drafter import Draft, DraftJob, Guess, Sampling, SeqKey, make_draft, never
 from draft_service.kv_slots import SlotState, SlotTable, common_prefix_len
 from draft_service.metrics import DraftMetrics
+from kernels.bitmask import allowed_tokens
 from kernels.compression import CompressedProbs, encode, sample_compressed
 from kernels.sampling import processed_probs, sample
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
+from tandem.structured import TokenMasker
+from tandem.structured.grammar import Matcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +149,8 @@ class Row:
     job: DraftJob
     state: SlotState
     budget: int
+    grammar: Matcher | None = None  # a constrained job's cursor, at the row's last token
+    blocked: bool = False  # its grammar allows nothing more (it is complete), or nothing the head can draft
     guessed_next: int | None = None  # the bonus token a guess_next job guessed
     token_ids: list[int] = field(default_factory=list)
     q_rows: list[CompressedProbs] = field(default_factory=list)
@@ -163,7 +171,12 @@ class Row:
 
     @property
     def finished(self) -> bool:
-        return len(self.token_ids) >= self.budget or self.job.sequence.closed
+        return len(self.token_ids) >= self.budget or self.job.sequence.closed or self.blocked
+
+    def follow_grammar(self, token: int) -> None:
+        """Advance the cursor over the row's new token; once the grammar is complete, the row stops."""
+        if self.grammar is not None and (not self.grammar.consume_token(token) or self.grammar.is_stopped()):
+            self.blocked = True
 
     def draft(self) -> Draft:
         q_prime = stack_rows(self.q_rows) if self.q_rows else None
@@ -186,6 +199,7 @@ class ModelDrafter:
         self.probs_top_k = min(probs_top_k, head_rows)  # encode's K, which Info reports
         self.metrics = metrics
         self.slots = SlotTable(model.kv_cache)
+        self.masker = TokenMasker(vocab_size)
 
     def open(self, key: SeqKey) -> None:
         self.slots.open(key)
@@ -222,22 +236,30 @@ class ModelDrafter:
             budget = self.budget(job)
             if budget <= 0 or job.sequence.closed:
                 continue
+            grammar = None
+            if job.sequence.grammar is not None:
+                grammar = job.sequence.grammar.cursor(job.tokens)
+                if grammar is None:
+                    continue  # the grammar allows no token after this prefix
             key = job.sequence.key
             state = self.slots.scratch_for(key, job.tokens) if job.is_predraft else self.slots.own(key)
             if state is not None:
-                rows.append(Row(job, state, budget))
+                rows.append(Row(job, state, budget, grammar))
         return rows
 
     def _advance(self, rows: list[Row], logits: torch.Tensor) -> None:
         """One token per row from its logits [len(rows), V]: a guess at the bonus token, or a draft."""
-        guessing = [i for i, row in enumerate(rows) if row.guessing]
-        drawing = [i for i, row in enumerate(rows) if not row.guessing]
+        self._mask(rows, logits)
+        guessing = [i for i, row in enumerate(rows) if row.guessing and not row.blocked]
+        drawing = [i for i, row in enumerate(rows) if not row.guessing and not row.blocked]
         if guessing:
             for i, token in zip(guessing, top_tokens(logits[guessing], self.draft_vocab).tolist()):
                 rows[i].guessed_next = token
+                rows[i].follow_grammar(token)
         if not drawing:
             return
-        drawn = draw_tokens(logits[drawing] if guessing else logits,
+        everyone = len(drawing) == len(rows)
+        drawn = draw_tokens(logits if everyone else logits[drawing],
                             [rows[i].job.sequence.sampling for i in drawing], [rows[i].position for i in drawing],
                             self.probs_top_k, self.draft_vocab, self.guesses)
         for n, i in enumerate(drawing):
@@ -246,6 +268,22 @@ class ModelDrafter:
             if drawn.compressed[n] is not None:
                 row.q_rows.append(drawn.compressed[n])
             row.recovered_guesses.append(drawn.alternatives[n])
+            row.follow_grammar(drawn.tokens[n])
+
+    def _mask(self, rows: list[Row], logits: torch.Tensor) -> None:
+        """In place: -inf where a constrained row's grammar forbids the token. A row left with no
+        token its head can draft is blocked. Unconstrained batches skip this altogether."""
+        constrained = [i for i, row in enumerate(rows) if row.grammar is not None and not row.blocked]
+        if not constrained:
+            return
+        bitmask = self.masker.fill([(rows[i].grammar, []) for i in constrained])  # [C, W]
+        allowed = allowed_tokens(bitmask, self.masker.vocab_size).to(logits.device)  # [C, V]
+        if self.draft_vocab is not None:
+            allowed = allowed[:, self.draft_vocab.ids]  # [C, N]
+        forbidden = ~allowed
+        for n, (i, any_allowed) in enumerate(zip(constrained, allowed.any(dim=1).tolist())):
+            logits[i].masked_fill_(forbidden[n], float("-inf"))
+            rows[i].blocked |= not any_allowed
 
     def _catch_up(self, rows: list[Row]) -> torch.Tensor:
         """Feed each job's tokens that its slot lacks; logits [B, V] at each last position."""

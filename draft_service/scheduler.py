@@ -29,9 +29,11 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from draft_service.drafter import Draft, Drafter, DraftJob, DraftSequence, Sampling, SeqKey
+from draft_service.drafter import Draft, Drafter, DraftJob, DraftSequence, Sampling, SeqKey, never
+from draft_service.grammars import DraftGrammars
 from draft_service.metrics import DraftMetrics
 from draft_service.predraft import Predrafter
+from tandem.structured import Constraint, ConstraintError
 from tandem.v1 import drafter_pb2
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class SlotOp:
 
     key: SeqKey
     opening: bool
+    sequence: DraftSequence | None = None  # an opening's sequence, whose constraint is compiled then
 
 
 @dataclass(slots=True)
@@ -84,15 +87,17 @@ class Round:
     jobs: list[DraftJob]
     predraft: bool
     # The committed tokens of every sequence whose tokens changed, for Drafter.settle before drafting.
-    settled: list[tuple[SeqKey, list[int]]]
+    settled: list[tuple[DraftSequence, list[int]]]
 
 
 class DraftScheduler:
     def __init__(self, drafter: Drafter, metrics: DraftMetrics, limits: Limits, delay_s: float = 0.0,
-                 max_fanout: int = 0, guesses: int = 1):
+                 max_fanout: int = 0, guesses: int = 1, grammars: DraftGrammars | None = None):
         """max_fanout: outcomes pre-drafted per proposal at most; -1: all of them, 0: none.
-        guesses: the drafter's guesses at each recovered token; with the bonus outcome, k * guesses + 1 in all."""
+        guesses: the drafter's guesses at each recovered token; with the bonus outcome, k * guesses + 1 in all.
+        grammars: compiles structured-output constraints; without it, constrained sequences are refused."""
         self._drafter = drafter
+        self._grammars = grammars
         self._metrics = metrics
         self._limits = limits
         self._delay_s = delay_s
@@ -172,12 +177,13 @@ class DraftScheduler:
             raise
         stream.refused.discard(msg.seq_id)
         sequence = DraftSequence((stream.id, msg.seq_id), list(msg.prompt_ids), sampling, msg.k,
-                                 accepts_assumed=msg.accepts_assumed)
+                                 accepts_assumed=msg.accepts_assumed, constraint=self._constraint(msg),
+                                 constrained_from=msg.constrained_from)
         stream.sequences[msg.seq_id] = sequence
         self._predrafter.open(sequence)
         self._num_sequences += 1
         self._metrics.sequences.inc()
-        self._slot_ops.append(SlotOp(sequence.key, opening=True))
+        self._slot_ops.append(SlotOp(sequence.key, opening=True, sequence=sequence))
         self._dirty[sequence.key] = sequence
 
     def _check_open(self, stream: Stream, msg: drafter_pb2.SequenceOpen, sampling: Sampling) -> None:
@@ -197,6 +203,22 @@ class DraftScheduler:
         if limits.max_seqs_per_target and len(stream.sequences) >= limits.max_seqs_per_target:
             raise InvalidUpdate("target_quota", f"this target holds {len(stream.sequences)} sequences, "
                                                 f"max_seqs_per_target={limits.max_seqs_per_target}")
+        if msg.HasField("structured_outputs"):
+            if self._grammars is None:
+                raise InvalidUpdate("bad_constraint", "this drafter does not draft under structured-output constraints")
+            if msg.constrained_from > len(msg.prompt_ids):
+                raise InvalidUpdate("bad_constraint", f"constrained_from={msg.constrained_from} is past the "
+                                                      f"{len(msg.prompt_ids)} tokens sent")
+            self._constraint(msg)
+
+    @staticmethod
+    def _constraint(msg: drafter_pb2.SequenceOpen) -> Constraint | None:
+        if not msg.HasField("structured_outputs"):
+            return None
+        try:
+            return Constraint.from_proto(msg.structured_outputs)
+        except ConstraintError as err:
+            raise InvalidUpdate("bad_constraint", str(err)) from err
 
     def _check_token_ids(self, token_ids: Iterable[int]) -> None:
         if token_ids and max(token_ids) >= self._limits.vocab_size:
@@ -283,12 +305,12 @@ class DraftScheduler:
     def _next_round(self) -> Round:
         """The changed sequences that no sent proposal covers, drafted afresh; when there are none, pre-drafts."""
         fresh: list[DraftJob] = []
-        settled: list[tuple[SeqKey, list[int]]] = []
+        settled: list[tuple[DraftSequence, list[int]]] = []
         for sequence in self._dirty.values():
             if not sequence.tokens:  # rolled back to nothing: no prefix to draft from
                 continue
             committed = list(sequence.tokens)
-            settled.append((sequence.key, committed))
+            settled.append((sequence, committed))
             if not self._predrafter.covers(sequence):
                 fresh.append(DraftJob(sequence, committed))
         self._dirty.clear()
@@ -300,13 +322,17 @@ class DraftScheduler:
         """On the drafter's thread: opens and closes in arrival order, then what the target committed, then a draft."""
         for op in slot_ops:
             (self._drafter.open if op.opening else self._drafter.close)(op.key)
-        for key, committed in work.settled:
-            self._drafter.settle(key, committed)
-        if not work.jobs:
+            if op.opening and self._grammars is not None:
+                self._grammars.open(op.sequence)
+        for sequence, committed in work.settled:
+            self._drafter.settle(sequence.key, committed)
+            DraftGrammars.settle(sequence, committed)
+        jobs = [job for job in work.jobs if not job.sequence.undraftable]
+        if not jobs:
             return []
-        if work.predraft:
-            return self._drafter.draft(work.jobs, stop=self._stop_predrafts.is_set)
-        return self._drafter.draft(work.jobs)
+        drafts = self._drafter.draft(jobs, stop=self._stop_predrafts.is_set if work.predraft else never)
+        constrained = {job.sequence.key: job.sequence for job in jobs if job.sequence.constraint is not None}
+        return DraftGrammars.constrain(drafts, constrained) if constrained else drafts
 
     def _deliver(self, jobs: list[DraftJob], drafts: list[Draft], elapsed: float) -> None:
         """One DraftProposals message per stream, with an answer for every job: its draft, or nothing.

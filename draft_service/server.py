@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from draft_service.config import DraftConfig
+from draft_service.grammars import DraftGrammars
 from draft_service.drafter import Drafter
 from draft_service.metrics import DraftMetrics
 from draft_service.model_drafter import ModelDrafter
@@ -22,6 +23,7 @@ from draft_service.scheduler import DraftScheduler, Limits, Stream
 from tandem.config import ModelConfig
 from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
 from tandem.runtime import load_model, load_tokenizer, tokenizer_path
+from tandem.structured import GrammarCompiler, GrammarLimits
 from tandem.tokenizer import Tokenizer
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -35,6 +37,7 @@ class LoadedDrafter:
     drafter: Drafter
     info: drafter_pb2.DrafterInfo
     metrics: DraftMetrics
+    grammars: DraftGrammars
 
 
 def load_drafter(config: DraftConfig) -> LoadedDrafter:
@@ -62,7 +65,8 @@ def load_drafter(config: DraftConfig) -> LoadedDrafter:
                                    kind=drafter.kind, probs_top_k=drafter.probs_top_k)
     log.info("loaded the %s drafter for %s (vocabulary %d) in %.1f s",
              drafter.kind, config.model, vocab_size, time.perf_counter() - began)
-    return LoadedDrafter(drafter, info, metrics)
+    grammars = DraftGrammars(GrammarCompiler(tokenizer, vocab_size, GrammarLimits(cache_size=config.grammar_cache_size)))
+    return LoadedDrafter(drafter, info, metrics, grammars)
 
 
 def suffix_drafter(config: DraftConfig) -> SuffixDrafter:
@@ -120,7 +124,7 @@ async def serve(config: DraftConfig) -> None:
     # Only a model has a distribution to guess recovered tokens from; the lookup drafters guess none.
     guesses = config.predraft_guesses if config.drafter in ("model", "suffix+model") else 1
     scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits, delay_s=config.delay_ms / 1000,
-                               max_fanout=config.max_fanout, guesses=guesses)
+                               max_fanout=config.max_fanout, guesses=guesses, grammars=loaded.grammars)
     servicer = DrafterServicer(loaded.info, scheduler)
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
                             max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,

@@ -148,6 +148,14 @@ def pack(compressed: CompressedProbs) -> bytes:
     return id_bytes.tobytes() + fixed.tobytes()
 
 
+def truncate_packed(data: bytes, num_tokens: int, k: int, keep: int) -> bytes:
+    """The wire bytes of the first `keep` of num_tokens rows of packed q' with K = k."""
+    ids, probs = num_tokens * k * _ID_BYTES, num_tokens * k * _PROB_BYTES
+    if len(data) != ids + probs or not 0 <= keep <= num_tokens:
+        raise ValueError(f"cannot keep {keep} of {num_tokens} rows of K={k} from {len(data)} bytes")
+    return data[: keep * k * _ID_BYTES] + data[ids : ids + keep * k * _PROB_BYTES]
+
+
 def unpack(data: bytes, num_tokens: int, k: int, vocab_size: int) -> CompressedProbs:
     """Parse and validate q' for num_tokens draft tokens; raise InvalidDraftProbs if malformed."""
     _check_header(data, num_tokens, k, vocab_size)

@@ -6,8 +6,10 @@ import asyncio
 import sys
 
 from tandem.client import chat_request, generate, open_channel
+from pathlib import Path
+
 from tandem.tls import ClientTls, read_token
-from tandem.v1 import generation_pb2, generation_pb2_grpc
+from tandem.v1 import generation_pb2, generation_pb2_grpc, structured_pb2
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,6 +29,12 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
     gen.add_argument("--no-speculate", action="store_true", help="turn speculation off for this request")
     gen.add_argument("--num-speculative-tokens", type=int, default=None)
+    structured = gen.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE", help="the output follows this JSON schema (a file)")
+    structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structured.add_argument("--regex", help="the output matches this regular expression")
+    structured.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar (a file)")
+    structured.add_argument("--choice", action="append", help="the output is one of these strings; repeatable")
     gen.add_argument("--tls", action="store_true", help="TLS with the system's roots (implied by the files below)")
     gen.add_argument("--ca-cert", default="", help="PEM CA bundle that verifies the target's certificate")
     gen.add_argument("--client-cert", default="", help="PEM certificate for a target that requires mTLS")
@@ -43,10 +51,28 @@ def _request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
         sampling["seed"] = args.seed
     if args.num_speculative_tokens is not None:
         sampling["num_speculative_tokens"] = args.num_speculative_tokens
+    constraint = _structured_outputs(args)
+    if constraint is not None:
+        sampling["structured_outputs"] = constraint
     if args.chat:
         return chat_request(args.prompt, system=args.system, **sampling)
     return generation_pb2.GenerateRequest(prompt=args.prompt,
                                           sampling_params=generation_pb2.SamplingParams(**sampling))
+
+
+def _structured_outputs(args: argparse.Namespace) -> structured_pb2.StructuredOutputs | None:
+    """The constraint the flags ask for; files are read here, and the server checks what they hold."""
+    if args.json_schema:
+        return structured_pb2.StructuredOutputs(json=Path(args.json_schema).read_text())
+    if args.json_object:
+        return structured_pb2.StructuredOutputs(json_object=True)
+    if args.regex is not None:
+        return structured_pb2.StructuredOutputs(regex=args.regex)
+    if args.grammar:
+        return structured_pb2.StructuredOutputs(grammar=Path(args.grammar).read_text())
+    if args.choice:
+        return structured_pb2.StructuredOutputs(choice=structured_pb2.Choices(choices=args.choice))
+    return None
 
 
 async def run_generate(args: argparse.Namespace) -> int:
@@ -55,13 +81,14 @@ async def run_generate(args: argparse.Namespace) -> int:
     try:
         tls = ClientTls.from_flags(args.ca_cert, args.client_cert, args.client_key, enabled=args.tls)
         token = read_token(args.token, args.token_file)
-    except ValueError as err:
+        request = _request(args)
+    except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     async with open_channel(args.target, tls, token) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            result = await generate(stub, _request(args), on_text=lambda t: print(t, end="", flush=True))
+            result = await generate(stub, request, on_text=lambda t: print(t, end="", flush=True))
         except grpc.aio.AioRpcError as err:
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1

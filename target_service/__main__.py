@@ -26,6 +26,9 @@ HELP = {
     "sync_speculation": "wait for the drafter every step (the blocking baseline, for benchmarks)",
     "min_step_ms": "for tests: each decode or verify step lasts at least this long (a tiny model made to "
                    "step like a larger one, so that a drafter of its size is ahead of it)",
+    "grammar_cache_size": "structured output: compiled grammars kept, by content hash (least recently used go first)",
+    "grammar_compile_timeout": "structured output: seconds a constraint may take to compile before its request "
+                               "gets INVALID_ARGUMENT",
     "grace_seconds": "on SIGTERM, how long running requests may take to finish",
     "max_message_bytes": "the largest gRPC message either way, on both links",
     "tls_cert": "PEM certificate (chain) served to clients; with --tls-key turns TLS on",

@@ -26,6 +26,8 @@ class TargetConfig:
     sync_speculation: bool = False  # wait for each step's drafts (the pre-non-blocking baseline)
     min_step_ms: float = 0.0  # testing: a decode or verify step takes at least this long, as a larger model's
     reconnect_max_seconds: float = 5.0
+    grammar_cache_size: int = 256  # compiled structured-output grammars kept, by content hash
+    grammar_compile_timeout: float = 10.0  # seconds; a constraint that takes longer gets INVALID_ARGUMENT
     grace_seconds: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
     log_level: str = "INFO"
@@ -43,13 +45,14 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         positive = {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
-                    "threads": self.threads, "max_message_bytes": self.max_message_bytes}
+                    "threads": self.threads, "max_message_bytes": self.max_message_bytes,
+                    "grammar_cache_size": self.grammar_cache_size}
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         non_negative = {"max_queue": self.max_queue, "num_speculative_tokens": self.num_speculative_tokens,
                         "draft_wait_ms": self.draft_wait_ms, "grace_seconds": self.grace_seconds,
-                        "min_step_ms": self.min_step_ms}
+                        "min_step_ms": self.min_step_ms, "grammar_compile_timeout": self.grammar_compile_timeout}
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")

@@ -13,8 +13,12 @@ def open_message(seq: Sequence, k: int, accepts_assumed: bool) -> drafter_pb2.Se
     o = seq.options
     sampling = drafter_pb2.DraftSampling(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
                                          min_p=o.min_p, seed=o.seed, drafter_invariant=o.drafter_invariant)
-    return drafter_pb2.SequenceOpen(seq_id=seq.seq_id, prompt_ids=seq.token_ids, sampling=sampling, k=k,
-                                    accepts_assumed=accepts_assumed)
+    message = drafter_pb2.SequenceOpen(seq_id=seq.seq_id, prompt_ids=seq.token_ids, sampling=sampling, k=k,
+                                       accepts_assumed=accepts_assumed)
+    if o.constraint is not None:
+        message.structured_outputs.CopyFrom(o.constraint.to_proto())
+        message.constrained_from = len(seq.prompt_ids)
+    return message
 
 
 def extend_message(seq: Sequence, start: int) -> drafter_pb2.SequenceExtend:

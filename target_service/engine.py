@@ -27,6 +27,7 @@ from target_service.step import PrefillItem, StepRunner, Verified
 from target_service.stops import StopChecker
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.model.kv_cache import KVCache
+from tandem.structured.grammar import Matcher
 from tandem.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,9 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def new_sequence(self, request_id: str, prompt_ids: list[int], options: SamplingOptions) -> Sequence:
+    def new_sequence(self, request_id: str, prompt_ids: list[int], options: SamplingOptions,
+                     grammar: Matcher | None = None) -> Sequence:
+        """grammar: the matcher of options.constraint, fresh (RequestGrammars.matcher_for)."""
         seq_id = next(self._ids)
         eos = frozenset() if options.ignore_eos else self.tokenizer.eos_token_ids
         return Sequence(
@@ -68,6 +71,7 @@ class Engine:
                 self.tokenizer, skip_special_tokens=options.skip_special_tokens, context_ids=prompt_ids
             ),
             stops=StopChecker(options.stop, options.stop_token_ids | eos),
+            grammar=grammar,
         )
 
     def submit(self, seq: Sequence) -> None:
@@ -174,7 +178,8 @@ class Engine:
         return admitted
 
     async def _run_prefill(self, admitted: list[Sequence]) -> list[int]:
-        items = [PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, options=s.options) for s in admitted]
+        items = [PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, options=s.options, grammar=s.grammar)
+                 for s in admitted]
         started = time.perf_counter()
         tokens = await self._in_executor(self.runner.prefill, items)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)

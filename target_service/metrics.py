@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # 1 ms upwards, roughly doubling: resolves CPU decode steps and GPU TTFT alike.
+MASK_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 LATENCY_BUCKETS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
                    1.024, 2.048, 4.096, 8.192, 16.384, 32.768, 65.536)
 ACCEPTANCE_BUCKETS = tuple(range(0, 17))
@@ -57,6 +58,13 @@ class TargetMetrics:
         self.draft_cache_held = histogram(
             "tandem_draft_cache_proposals", "Proposals a sequence held when its step was planned.",
             buckets=ACCEPTANCE_BUCKETS)
+        self.structured_requests = counter(
+            "tandem_structured_requests", "Requests with a structured-output constraint, by kind.", extra=("kind",))
+        self.grammar_compile = histogram(
+            "tandem_grammar_compile_seconds", "Compiling a constraint that was not cached.", buckets=MASK_BUCKETS)
+        self.grammar_mask = histogram(
+            "tandem_grammar_mask_seconds", "Computing a step's token bitmasks (steps with constrained sequences).",
+            buckets=MASK_BUCKETS)
         self.draft_wire_bytes = counter("tandem_draft_wire_bytes", "Bytes of proposals received from the drafter.")
         self.running = gauge("tandem_num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("tandem_num_requests_waiting", "Requests waiting for admission.")

@@ -7,8 +7,14 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
+import logging
+
 from tandem.detokenizer import IncrementalDetokenizer
+from tandem.structured import Constraint
+from tandem.structured.grammar import Matcher
 from target_service.stops import StopChecker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +34,7 @@ class SamplingOptions:
     speculate: bool
     num_speculative_tokens: int
     drafter_invariant: bool
+    constraint: Constraint | None = None  # structured output: the grammar every generated token follows
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +80,7 @@ class Sequence:
     admitted_at: float | None = None
     last_token_at: float | None = None
     finish: FinishReason | None = None
+    grammar: Matcher | None = None  # the constraint's matcher, advanced over every committed token
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -96,9 +104,10 @@ class Sequence:
             if self.stops.is_stop_token(token):
                 finish = FinishReason.STOP
                 break
+            grammar_done = self._advance_grammar(token)
             text, hit_stop_string = self.stops.add_text(self.detokenizer.feed(token))
             text_parts.append(text)
-            if hit_stop_string:
+            if hit_stop_string or grammar_done:
                 finish = FinishReason.STOP
                 break
             if self.remaining_tokens <= 0 or len(self.token_ids) >= max_len:
@@ -109,3 +118,16 @@ class Sequence:
             text_parts.append(tail if hit_stop_string else tail + self.stops.flush())
         output = Output(token_ids=emitted, text="".join(text_parts), num_accepted=min(num_accepted, len(emitted)))
         return output, finish
+
+    def _advance_grammar(self, token: int) -> bool:
+        """Feed the token to the grammar; True once the grammar allows nothing more (it is complete).
+
+        Tokens come from distributions masked by this grammar, so it accepts them. Should it not,
+        the sequence ends rather than continue unconstrained."""
+        if self.grammar is None:
+            return False
+        if not self.grammar.consume_token(token):
+            log.error("%s: the grammar refused committed token %d: %s", self.request_id, token,
+                      self.grammar.get_error())
+            return True
+        return self.grammar.is_stopped()

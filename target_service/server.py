@@ -11,12 +11,14 @@ from target_service.config import TargetConfig
 from target_service.drafter_link import DrafterLink
 from target_service.engine import Engine
 from target_service.errors import RequestError
+from target_service.grammars import RequestGrammars
 from target_service.metrics import TargetMetrics
 from target_service.sequence import FinishReason, Output, Sequence
 from target_service.step import StepRunner
 from target_service.validation import UndecodableRequests, validate_request
 from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
 from tandem.runtime import LoadedModel, load_model
+from tandem.structured import GrammarCompiler, GrammarLimits
 from tandem.tls import BearerTokenInterceptor
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
@@ -30,17 +32,19 @@ _FINISH = {
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, loaded: LoadedModel, config: TargetConfig):
+    def __init__(self, engine: Engine, loaded: LoadedModel, config: TargetConfig, grammars: RequestGrammars):
         self.engine = engine
         self.loaded = loaded
         self.config = config
+        self.grammars = grammars
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             prompt_ids, options = validate_request(
                 request, self.loaded.tokenizer, self.config, self.loaded.name, self.loaded.config.vocab_size
             )
-            seq = self.engine.new_sequence(request.request_id, prompt_ids, options)
+            grammar = await self.grammars.matcher_for(options.constraint) if options.constraint else None
+            seq = self.engine.new_sequence(request.request_id, prompt_ids, options, grammar)
             self.engine.submit(seq)
         except RequestError as err:
             await context.abort(err.code, err.message)
@@ -94,8 +98,11 @@ async def serve(config: TargetConfig) -> None:
         num_slots=config.max_num_seqs, max_model_len=config.max_model_len,
     )
     metrics = TargetMetrics(loaded.name)
-    engine = Engine(StepRunner(loaded.model), loaded.model.kv_cache, loaded.tokenizer, loaded.config.vocab_size,
-                    config, metrics)
+    engine = Engine(StepRunner(loaded.model, metrics), loaded.model.kv_cache, loaded.tokenizer,
+                    loaded.config.vocab_size, config, metrics)
+    compiler = await asyncio.to_thread(
+        GrammarCompiler, loaded.tokenizer, loaded.config.vocab_size,
+        GrammarLimits(compile_seconds=config.grammar_compile_timeout, cache_size=config.grammar_cache_size))
     await asyncio.to_thread(engine.runner.warm_up)
     link = None
     if config.drafter:
@@ -108,7 +115,7 @@ async def serve(config: TargetConfig) -> None:
         engine.tracker.link = link
         link.start()
     engine.start()
-    servicer = GenerationServicer(engine, loaded, config)
+    servicer = GenerationServicer(engine, loaded, config, RequestGrammars(compiler, metrics))
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
                             max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,
                             tls=config.server_tls())

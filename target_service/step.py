@@ -4,21 +4,32 @@ Prefill: each new prompt is run and its first token sampled at position len(prom
 Verify: a sequence with committed tokens x[0..n-1] has KV for n-1 of them; it runs
 [x[n-1], d1..dk] at positions n-1..n-1+k, so k+1 rows of p, and emits accepted drafts plus one
 recovered or bonus token. With no drafts (k = 0) this is a plain decode step.
+
+Structured output: a constrained sequence's k + 1 logits rows are masked by its grammar (at its
+state, then after d1, d1 d2, ...) before p is built, so greedy picks, rejection sampling and the
+recovered and bonus tokens all use the target's constrained distribution. A draft the grammar
+forbids has p = 0 and is rejected. The masks are computed on their own thread during the forward.
 """
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from kernels.bitmask import allowed_tokens, apply_forbidden, apply_token_bitmask
 from kernels.compression import CompressedProbs, concat, no_probs
 from kernels.gumbel import verify_invariant
 from kernels.rejection import rejection_sample
 from kernels.sampling import processed_probs, sample
 from target_service.drafts import UsableDrafts
+from target_service.metrics import TargetMetrics
 from target_service.sequence import SamplingOptions
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
+from tandem.structured import TokenMasker
+from tandem.structured.grammar import Matcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +37,7 @@ class PrefillItem:
     slot: int
     prompt_ids: list[int]
     options: SamplingOptions
+    grammar: Matcher | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +47,7 @@ class VerifyItem:
     last_token: int
     drafts: UsableDrafts | None
     options: SamplingOptions
+    grammar: Matcher | None = None
 
     @property
     def num_drafts(self) -> int:
@@ -48,10 +61,13 @@ class Verified:
 
 
 class StepRunner:
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: LlamaModel, metrics: TargetMetrics | None = None):
         self.model = model
         self.device = model.device
         self.vocab_size = model.config.vocab_size
+        self.metrics = metrics
+        self.masker = TokenMasker(self.vocab_size)
+        self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-masks")
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -67,7 +83,9 @@ class StepRunner:
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem]) -> list[int]:
         chunks = [SequenceChunk(slot=i.slot, start=0, token_ids=i.prompt_ids) for i in items]
+        masks = self._start_masks([(i.grammar, ()) for i in items])
         logits = self.model.run(chunks)  # [B, vocab]
+        self._apply_masks(logits, masks)
         tokens = [0] * len(items)
         greedy = [b for b, i in enumerate(items) if i.options.greedy]
         sampled = [b for b, i in enumerate(items) if not i.options.greedy]
@@ -92,7 +110,9 @@ class StepRunner:
             )
             for i in items
         ]
+        masks = self._start_masks([(i.grammar, i.drafts.tokens if i.drafts else ()) for i in items])
         logits = self.model.run(chunks)  # [sum(k_i + 1), vocab]
+        self._apply_masks(logits, masks)
         results: list[Verified | None] = [None] * len(items)
         greedy = [b for b, i in enumerate(items) if i.options.greedy]
         rows = self._rows_of(items, greedy)
@@ -110,6 +130,38 @@ class StepRunner:
                 for b, verified in zip(group, verify([items[b] for b in group], probs)):
                     results[b] = verified
         return results
+
+    def _start_masks(self, rows: list[tuple[Matcher | None, tuple[int, ...]]]) -> tuple[Future, torch.Tensor] | None:
+        """Start computing the bitmasks of the constrained items, each (grammar, drafts) owning
+        len(drafts) + 1 logits rows; returns the pending masks and the logits rows they cover."""
+        jobs, covered, offset = [], [], 0
+        for grammar, drafts in rows:
+            if grammar is not None:
+                jobs.append((grammar, list(drafts)))
+                covered.extend(range(offset, offset + len(drafts) + 1))
+            offset += len(drafts) + 1
+        if not jobs:
+            return None
+        return self._mask_thread.submit(self._timed_fill, jobs), self._long(covered)
+
+    def _timed_fill(self, jobs: list[tuple[Matcher, list[int]]]) -> torch.Tensor:
+        """The bitmask [R, W]; on CPU already unpacked to forbidden tokens [R, V], off the critical path."""
+        started = time.perf_counter()
+        masks = self.masker.fill(jobs)
+        if self.device.type == "cpu":
+            masks = ~allowed_tokens(masks, self.vocab_size)
+        if self.metrics is not None:
+            self.metrics.grammar_mask.observe(time.perf_counter() - started)
+        return masks
+
+    def _apply_masks(self, logits: torch.Tensor, masks: tuple[Future, torch.Tensor] | None) -> None:
+        if masks is None:
+            return
+        pending, rows = masks
+        if self.device.type == "cpu":
+            apply_forbidden(logits, pending.result(), rows)
+        else:
+            apply_token_bitmask(logits, pending.result(), rows)
 
     def _greedy_tokens(self, logits: torch.Tensor, rows: list[int], total: int) -> list[int]:
         """argmax p of the given rows of logits: greedy rows skip building p altogether."""

@@ -11,6 +11,7 @@ from kernels.sampling import effective_temperature
 from target_service.config import TargetConfig
 from target_service.errors import RequestError, invalid
 from target_service.sequence import SamplingOptions
+from tandem.structured import Constraint, ConstraintError
 from tandem.tokenizer import Tokenizer, TokenizerError
 from tandem.v1 import generation_pb2
 
@@ -82,6 +83,7 @@ def sampling_options(
     if k > MAX_SPECULATIVE_TOKENS:
         raise invalid("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}")
     return SamplingOptions(
+        constraint=_constraint(params),
         temperature=effective_temperature(float(temperature)),
         top_p=float(top_p),
         top_k=params.top_k if params.top_k < vocab_size else 0,
@@ -96,6 +98,15 @@ def sampling_options(
         num_speculative_tokens=k,
         drafter_invariant=params.drafter_invariant,
     )
+
+
+def _constraint(params: generation_pb2.SamplingParams) -> Constraint | None:
+    if not params.HasField("structured_outputs"):
+        return None
+    try:
+        return Constraint.from_proto(params.structured_outputs)
+    except ConstraintError as err:
+        raise invalid(err.field, err.problem) from err
 
 
 def _check_stops(params: generation_pb2.SamplingParams, vocab_size: int) -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from service_fixtures import PROMPTS, greedy_request, metric, scrape
 from tandem.launch import ServiceProcess
-from tandem.v1 import generation_pb2
+from tandem.v1 import generation_pb2, structured_pb2
 
 METHOD = "/tandem.v1.Generation/Generate"
 CLEAR = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -45,6 +45,7 @@ RAW_SLOTS = {
     "stop": (5, 7),
     "chat.role": (4, 1, 1),
     "chat.content": (4, 1, 2),
+    "structured_outputs.regex": (5, 14, 3),
 }
 
 
@@ -58,6 +59,13 @@ def _raw(path: tuple[int, ...], value: bytes) -> bytes:
 texts = st.text(max_size=40) | st.text(st.characters(codec="utf-8"), max_size=300)
 wild_floats = st.floats(width=32) | st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e-45, 3e38])
 huge = st.integers(0, U32)
+Constraint = structured_pb2.StructuredOutputs
+sane_constraints = st.sampled_from([None, Constraint(regex="[a-z ]{1,8}"), Constraint(json_object=True),
+                                    Constraint(choice=structured_pb2.Choices(choices=["yes", "no"]))])
+wild_constraints = (st.builds(lambda kind, text: Constraint(**{kind: text}),
+                              st.sampled_from(["json", "regex", "grammar"]), texts)
+                    | st.lists(texts, max_size=4).map(lambda c: Constraint(choice=structured_pb2.Choices(choices=c)))
+                    | st.booleans().map(lambda b: Constraint(json_object=b)))
 
 # Each field has a sane value and a wild one; an example makes at most three fields wild, so that
 # both the accepted path and every single rejection get exercised.
@@ -73,6 +81,7 @@ SANE = {
     "model": st.just(""),
     "input": st.sampled_from(["prompt", "ids", "chat"]),
     "role": st.sampled_from(["system", "user", "assistant", "tool"]),
+    "structured_outputs": sane_constraints,
 }
 WILD = {
     "temperature": wild_floats,
@@ -86,6 +95,7 @@ WILD = {
     "model": texts,
     "input": st.sampled_from(["none", "empty-ids", "long-ids"]),
     "role": texts,
+    "structured_outputs": wild_constraints,
 }
 
 
@@ -104,6 +114,8 @@ def requests(draw) -> bytes:
     )
     if draw(st.booleans()):
         params.seed = draw(st.integers(0, U64))
+    if (constraint := value("structured_outputs")) is not None:
+        params.structured_outputs.CopyFrom(constraint)
     request = generation_pb2.GenerateRequest(request_id=draw(texts), model=value("model"), sampling_params=params)
     kind = value("input")
     if kind == "prompt":

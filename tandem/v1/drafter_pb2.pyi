@@ -1,3 +1,4 @@
+from tandem.v1 import structured_pb2 as _structured_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -43,18 +44,22 @@ class DraftSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ...) -> None: ...
 
 class SequenceOpen(_message.Message):
-    __slots__ = ("seq_id", "prompt_ids", "sampling", "k", "accepts_assumed")
+    __slots__ = ("seq_id", "prompt_ids", "sampling", "k", "accepts_assumed", "structured_outputs", "constrained_from")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_ASSUMED_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINED_FROM_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: DraftSampling
     k: int
     accepts_assumed: bool
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., k: _Optional[int] = ..., accepts_assumed: _Optional[bool] = ...) -> None: ...
+    structured_outputs: _structured_pb2.StructuredOutputs
+    constrained_from: int
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., k: _Optional[int] = ..., accepts_assumed: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_structured_pb2.StructuredOutputs, _Mapping]] = ..., constrained_from: _Optional[int] = ...) -> None: ...
 
 class SequenceExtend(_message.Message):
     __slots__ = ("seq_id", "start", "token_ids", "hidden_states")

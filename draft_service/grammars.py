@@ -1,0 +1,106 @@
+"""Structured output on the drafter: each constrained sequence's grammar, kept at its committed tokens.
+
+Everything here runs on the drafter's thread. The model drafter masks its logits with a cursor (a
+copy of the grammar advanced over a round's prefix and drafts), so that it drafts only tokens the
+target can accept; the lookup drafters' drafts are cut at the first token the grammar forbids.
+Either way the target verifies against its own masked distribution: this only saves it drafts
+that would surely be rejected.
+"""
+from __future__ import annotations
+
+import logging
+
+from draft_service.drafter import Draft, DraftSequence, SeqKey
+from draft_service.kv_slots import common_prefix_len
+from kernels.compression import truncate_packed
+from tandem.structured import CompiledGrammar, ConstraintError, GrammarCompiler
+from tandem.structured.grammar import Matcher
+
+log = logging.getLogger(__name__)
+
+
+class SequenceGrammar:
+    """One sequence's matcher at its committed tokens from `start` (the prompt's end) on."""
+
+    def __init__(self, compiled: CompiledGrammar, start: int):
+        self._compiled = compiled
+        self.start = start
+        self._matcher = compiled.matcher()
+        self._consumed: list[int] = []
+
+    def settle(self, committed: list[int]) -> None:
+        """Move the matcher to the committed tokens: roll back what changed, consume what is new."""
+        tokens = committed[self.start :]
+        common = common_prefix_len(self._consumed, tokens)
+        if common < len(self._consumed):
+            if not self._matcher.rollback(len(self._consumed) - common):
+                self._matcher, common = self._compiled.matcher(), 0
+            del self._consumed[common:]
+        for token in tokens[common:]:
+            if not self._matcher.consume_token(token):
+                log.warning("the target committed token %d, which the grammar forbids", token)
+                self._matcher, self._consumed = self._compiled.matcher(), []
+                return
+            self._consumed.append(token)
+
+    def cursor(self, prefix: list[int]) -> Matcher | None:
+        """A copy of the matcher at the end of prefix (committed tokens, then assumed ones);
+        None when the grammar forbids a token of it or cannot continue after it."""
+        tokens = prefix[self.start :]
+        common = common_prefix_len(self._consumed, tokens)
+        cursor = self._matcher.deep_copy()
+        if common < len(self._consumed) and not cursor.rollback(len(self._consumed) - common):
+            return None
+        if not cursor.consume_tokens(tokens[common:]) or cursor.is_stopped():
+            return None
+        return cursor
+
+    def allowed_prefix(self, prefix: list[int], drafts: list[int]) -> int:
+        """How many of the drafts after prefix the grammar allows, in order."""
+        cursor = self.cursor(prefix)
+        return 0 if cursor is None else cursor.validate_tokens(drafts)
+
+
+class DraftGrammars:
+    """The grammars of the constrained sequences, compiled on open, settled with each round."""
+
+    def __init__(self, compiler: GrammarCompiler):
+        self._compiler = compiler
+
+    def open(self, sequence: DraftSequence) -> None:
+        """Compile the sequence's constraint (cached by content); on failure it stays without a grammar,
+        and so undrafted (DraftSequence.undraftable)."""
+        if sequence.constraint is None:
+            return
+        try:
+            sequence.grammar = SequenceGrammar(self._compiler.compile(sequence.constraint), sequence.constrained_from)
+        except ConstraintError as err:
+            log.warning("sequence %s: cannot draft under its constraint: %s", sequence.key, err)
+
+    @staticmethod
+    def settle(sequence: DraftSequence, committed: list[int]) -> None:
+        if sequence.grammar is not None:
+            sequence.grammar.settle(committed)
+
+    @staticmethod
+    def constrain(drafts: list[Draft], sequences: dict[SeqKey, DraftSequence]) -> list[Draft]:
+        """Each constrained draft cut at the first token its grammar forbids; pre-drafts left empty go."""
+        kept = []
+        for draft in drafts:
+            sequence = sequences.get(draft.key)
+            if sequence is not None and sequence.constraint is not None and draft.token_ids:
+                grammar = sequence.grammar
+                allowed = 0 if grammar is None else grammar.allowed_prefix(draft.prefix, draft.token_ids)
+                if allowed < len(draft.token_ids):
+                    cut(draft, allowed)
+            if draft.token_ids or not draft.assumed_ids:
+                kept.append(draft)
+        return kept
+
+
+def cut(draft: Draft, keep: int) -> None:
+    """Keep the first `keep` draft tokens, with their q' rows and guesses."""
+    if draft.probs:
+        draft.probs = truncate_packed(draft.probs, len(draft.token_ids), draft.probs_top_k, keep)
+    del draft.token_ids[keep:]
+    del draft.recovered_guesses[keep:]
