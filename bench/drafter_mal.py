@@ -29,6 +29,7 @@ from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from tandem.runtime import load_model
 from tandem.v1 import drafter_pb2 as pb
 from tandem.v1 import drafter_pb2_grpc
+from tandem.v1.structured_pb2 import StructuredOutputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +71,16 @@ async def proposal_for(call: grpc.aio.StreamStreamCall, seq_id: int, base_len: i
                 return list(proposal.token_ids)
 
 
-async def replay(call: grpc.aio.StreamStreamCall, case: Case, seq_id: int, k: int) -> tuple[int, int]:
-    """Synchronous greedy speculation along the case's output: (verify steps, tokens committed)."""
-    await call.write(pb.TargetUpdate(opens=[pb.SequenceOpen(seq_id=seq_id, prompt_ids=case.prompt, k=k)]))
+async def replay(call: grpc.aio.StreamStreamCall, case: Case, seq_id: int, k: int,
+                 constraint: StructuredOutputs | None = None) -> tuple[int, int]:
+    """Synchronous greedy speculation along the case's output: (verify steps, tokens committed).
+
+    constraint: the output's structured-output constraint, sent to the drafter with the Open."""
+    opened = pb.SequenceOpen(seq_id=seq_id, prompt_ids=case.prompt, k=k)
+    if constraint is not None:
+        opened.structured_outputs.CopyFrom(constraint)
+        opened.constrained_from = len(case.prompt)
+    await call.write(pb.TargetUpdate(opens=[opened]))
     steps = committed = 0
     while committed < len(case.output):
         drafts = await proposal_for(call, seq_id, len(case.prompt) + committed)
@@ -88,14 +96,16 @@ async def replay(call: grpc.aio.StreamStreamCall, case: Case, seq_id: int, k: in
     return steps, committed
 
 
-async def measure(address: str, cases: list[Case], k: int) -> dict[str, float]:
-    """MAL per prompt kind and over all, the cases one after another on one stream."""
+async def measure(address: str, cases: list[Case], k: int,
+                  constraints: list[StructuredOutputs] | None = None) -> dict[str, float]:
+    """MAL per prompt kind and over all, the cases one after another on one stream (each under its
+    constraint, when given)."""
     steps: dict[str, int] = defaultdict(int)
     tokens: dict[str, int] = defaultdict(int)
     async with grpc.aio.insecure_channel(address) as channel:
         call = drafter_pb2_grpc.DrafterStub(channel).Speculate()
         for seq_id, case in enumerate(cases):
-            s, t = await replay(call, case, seq_id, k)
+            s, t = await replay(call, case, seq_id, k, None if constraints is None else constraints[seq_id])
             steps[case.kind] += s
             tokens[case.kind] += t
         call.cancel()

@@ -6,9 +6,13 @@ For each drafter it starts a draft service and a target (one thread each, as dep
 up, then sends the 8 prompts of bench/prompts/json_extraction.jsonl one at a time, greedy, four
 ways: without a constraint and under the prompt's schema, each by the target alone and by the
 async pair. It prints tokens/s of each, the pair ÷ alone ratio of each (the goal: the constrained
-ratio at least the unconstrained one), the mean acceptance length, how many outputs were
+ratio at least the unconstrained one), the mean acceptance length, the share of steps that found
+no usable draft (misses), how many outputs were
 identical to the target alone's and how many constrained ones validate against their schema.
-Then, from the target's metrics, its mean decode step with and without the constraint (the cost
+Then the mean acceptance length along the same tokens, the constrained outputs, replayed on the
+draft service (bench/drafter_mal.py) with the sequence opened without and with the schema: what
+the constraint does to drafting itself, apart from the outputs it changes. Then, from the
+target's metrics, its mean decode step with and without the constraint (the cost
 of masking on the step) and the time its mask thread spent per step, and the compile time of the
 schemas, measured here on a fresh compiler.
 """
@@ -26,6 +30,8 @@ from pathlib import Path
 import grpc
 import jsonschema
 
+from bench.drafter_mal import Case
+from bench.drafter_mal import measure as measure_mal
 from bench.prompt_set import JsonPrompt, load_json_prompts
 from bench.serve import DRAFTERS
 from tandem.client import GenerationResult, generate
@@ -35,6 +41,8 @@ from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from tandem.runtime import load_tokenizer, tokenizer_path
 from tandem.structured import Constraint, GrammarCompiler
 from tandem.v1 import generation_pb2, generation_pb2_grpc, structured_pb2
+
+K = 4  # the target's default draft tokens per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +65,12 @@ class Run:
     def mal(self) -> float:
         steps = self.delta("tandem_spec_decode_num_drafts_total")
         return 1 + self.delta("tandem_spec_decode_num_accepted_tokens_total") / max(1.0, steps)
+
+    @property
+    def miss_share(self) -> float:
+        """The share of a speculating sequence's steps that had no usable draft."""
+        steps, misses = self.delta("tandem_spec_decode_num_drafts_total"), self.delta("tandem_draft_miss_total")
+        return misses / max(1.0, steps + misses)
 
 
 def _request(ids: list[int], prompt: JsonPrompt, constrained: bool, speculate: bool,
@@ -114,17 +128,42 @@ def measure(drafter: str, args: argparse.Namespace, prompts: list[JsonPrompt], i
     finally:
         target.terminate(10)
         draft.terminate(10)
+    same_text = replay_under_constraints(drafter, draft_model, prompts, ids, runs[True, False].results, logs)
     for constrained in (False, True):
         alone, pair = runs[constrained, False], runs[constrained, True]
         same = sum(a.token_ids == p.token_ids for a, p in zip(alone.results, pair.results))
         validity = f"{valid(prompts, pair.results)}/{len(prompts)}" if constrained else "-"
         print(f"| {drafter} | {'schema' if constrained else 'none'} | {alone.tok_s:.1f} | {pair.tok_s:.1f} | "
-              f"{pair.tok_s / alone.tok_s:.2f} | {pair.mal:.2f} | {same}/{len(prompts)} | {validity} |", flush=True)
+              f"{pair.tok_s / alone.tok_s:.2f} | {pair.mal:.2f} | {pair.miss_share:.0%} | {same}/{len(prompts)} | "
+              f"{validity} |", flush=True)
+    print(f"|   | same text (the constrained outputs, replayed on the drafter): MAL {same_text[False]:.2f} opened "
+          f"without the schema, {same_text[True]:.2f} with it | | | | | | | |", flush=True)
     free, alone = runs[False, False], runs[True, False]
     masks = alone.delta("tandem_grammar_mask_seconds_sum") / max(1.0, alone.delta("tandem_grammar_mask_seconds_count"))
     step, free_step = decode_step(alone), decode_step(free)
     print(f"|   | target alone, decode step: {step * 1e3:.2f} ms constrained, {free_step * 1e3:.2f} ms without "
-          f"({step / free_step - 1:+.1%}); the mask thread's work: {masks * 1e6:.0f} us a step | | | | | | |", flush=True)
+          f"({step / free_step - 1:+.1%}); the mask thread's work: {masks * 1e6:.0f} us a step | | | | | | | |", flush=True)
+
+
+def replay_under_constraints(drafter: str, draft_model: str, prompts: list[JsonPrompt], ids: list[list[int]],
+                             outputs: list[GenerationResult], logs: Path) -> dict[bool, float]:
+    """MAL along the same tokens (the target's constrained outputs), the drafter told of the schema or not.
+
+    Each on a fresh draft service without the suffix drafter's shared cache, which would otherwise
+    hold these very outputs and copy them."""
+    cases = [Case("json", prompt_ids, result.token_ids) for prompt_ids, result in zip(ids, outputs)]
+    schemas = [structured_pb2.StructuredOutputs(json=json.dumps(p.schema)) for p in prompts]
+    mal = {}
+    for told in (False, True):
+        draft = ServiceProcess("draft_service", ["--model", draft_model, "--drafter", drafter, "--threads", "1",
+                                                 "--suffix-cache-tokens", "0"],
+                               log_path=logs / f"replay-{drafter}-{told}.log").start()
+        try:
+            draft.wait_healthy(300)
+            mal[told] = asyncio.run(measure_mal(draft.address, cases, K, schemas if told else None))["all"]
+        finally:
+            draft.terminate(10)
+    return mal
 
 
 def decode_step(run: Run) -> float:
@@ -157,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.max_tokens} max tokens, one at a time (logs: {logs})")
     print(f"schema compile times (fresh compiler, first mask included): mean {statistics.mean(times) * 1e3:.1f} ms, "
           f"max {max(times) * 1e3:.1f} ms")
-    print("| drafter | constraint | alone tok/s | pair tok/s | pair / alone | MAL | identical | valid |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| drafter | constraint | alone tok/s | pair tok/s | pair / alone | MAL | misses | identical | valid |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for drafter in args.drafters:
         measure(drafter, args, prompts, ids, logs)
 

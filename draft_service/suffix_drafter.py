@@ -108,7 +108,10 @@ class SuffixDrafter:
 
 
 class SuffixFrontDrafter:
-    """The suffix drafter where it is confident, the model drafter for everything else."""
+    """The suffix drafter where it is confident, the model drafter for everything else.
+
+    Under a structured-output grammar, a suffix draft the grammar would cut goes to the model
+    instead: the copy has left what the grammar allows, and the model drafts under its mask."""
 
     kind = "suffix+model"
 
@@ -136,7 +139,8 @@ class SuffixFrontDrafter:
             if job.sequence.closed:
                 continue
             suffix = NO_DRAFT if job.guess_next else self.suffix.propose(job, job.sequence.k)
-            if suffix.tokens and suffix.score >= self.confidence * job.sequence.k:
+            if (suffix.tokens and suffix.score >= self.confidence * job.sequence.k
+                    and _follows_grammar(job, suffix.tokens)):
                 draft = self.suffix.to_draft(job, suffix)
                 if draft is not None:
                     drafts.append(draft)
@@ -144,3 +148,8 @@ class SuffixFrontDrafter:
             for_model.append(job)
         self.model.metrics.suffix_proposals.inc(len(drafts))
         return drafts + self.model.draft(for_model, stop)
+
+
+def _follows_grammar(job: DraftJob, tokens: list[int]) -> bool:
+    grammar = job.sequence.grammar
+    return grammar is None or grammar.allowed_prefix(job.tokens, tokens) == len(tokens)

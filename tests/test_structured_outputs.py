@@ -293,3 +293,26 @@ def test_a_tokenizer_llguidance_cannot_read_refuses_constraints_but_loads(tmp_pa
     with pytest.raises(ConstraintError) as err:
         compiler.compile(Constraint("regex", "t1"))
     assert "does not support structured output" in err.value.problem
+
+
+def test_suffix_in_front_hands_a_draft_the_grammar_would_cut_to_the_model(model_drafter, compiler, tokenizer):
+    """The copy ' one two' repeats, so the suffix drafter is sure of it; under a digits-only grammar the
+    masked model drafts instead, and the unconstrained twin still gets the suffix draft."""
+    from draft_service.suffix_drafter import SuffixDrafter, SuffixFrontDrafter
+    from draft_service.suffix_index import SuffixParams
+
+    front = SuffixFrontDrafter(SuffixDrafter(SuffixParams(), 0), model_drafter, confidence=0.5)
+    prompt = tokenizer.encode(" one two three" * 6, add_special_tokens=False)
+    free = DraftSequence((4, 1), list(prompt), Sampling(), 3)
+    constrained = _constrained(compiler, (4, 2), prompt, Constraint("regex", "[0-9]+"))
+    constrained.k = 3
+    for sequence in (free, constrained):
+        front.open(sequence.key)
+    try:
+        drafts = {d.key: d for d in front.draft([DraftJob(free, list(prompt)), DraftJob(constrained, list(prompt))])}
+    finally:
+        for sequence in (free, constrained):
+            front.close(sequence.key)
+    assert tokenizer.decode(drafts[free.key].token_ids) == " one two three"
+    assert drafts[constrained.key].token_ids
+    assert tokenizer.decode(drafts[constrained.key].token_ids).isdigit()
