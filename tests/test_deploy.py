@@ -25,6 +25,7 @@ from service_fixtures import PROMPTS, greedy_request, run_requests
 from tandem.launch import ServiceProcess, free_port
 from tandem.registry import DEFAULT_DRAFT_MODEL
 from tandem.v1 import generation_pb2
+from tandem.v1.structured_pb2 import StructuredOutputs
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tandem.json"
@@ -211,7 +212,8 @@ def _sampled_request(prompt: str, seed: int) -> generation_pb2.GenerateRequest:
 
 @pytest.fixture(scope="module")
 def observed_pair(tmp_path_factory):
-    """(prometheus, target, draft, traffic start): the pair scraped while it served greedy and sampled requests."""
+    """(prometheus, target, draft, traffic start): the pair scraped while it served greedy, sampled and
+    constrained requests."""
     binary = _binary("prometheus", "prometheus")
     workdir = tmp_path_factory.mktemp("deploy")
     common = ["--threads", "1", "--max-model-len", "512"]
@@ -228,8 +230,10 @@ def observed_pair(tmp_path_factory):
         prometheus.wait_until(lambda: [r["value"][1] for r in prometheus.api("query", query="tandem_drafter_connected")
                                        ["result"]] == ["1"], "the target's drafter connected")
         traffic_start = time.time()
+        constrained = [greedy_request(p, MAX_TOKENS, structured_outputs=StructuredOutputs(regex="[a-z ]{1,40}"))
+                       for p in PROMPTS[:2]]
         results = run_requests(target.address, [greedy_request(p, MAX_TOKENS) for p in PROMPTS]
-                               + [_sampled_request(p, seed) for seed, p in enumerate(PROMPTS)])
+                               + [_sampled_request(p, seed) for seed, p in enumerate(PROMPTS)] + constrained)
         assert sum(r.accepted_tokens for r in results) > 0, "speculation never accepted a draft"
         time.sleep(3 * SCRAPE_SECONDS)  # the last counts scraped
         yield prometheus, target, draft, traffic_start
