@@ -3,18 +3,19 @@
     python -m bench.structured [--drafters suffix+model ngram model] [--max-tokens 256] [--dtype bfloat16]
 
 For each drafter it starts a draft service and a target (one thread each, as deployed), warms both
-up, then sends the 8 prompts of bench/prompts/json_extraction.jsonl one at a time, greedy, four
-ways: without a constraint and under the prompt's schema, each by the target alone and by the
-async pair. It prints tokens/s of each, the pair ÷ alone ratio of each (the goal: the constrained
-ratio at least the unconstrained one), the mean acceptance length, the share of steps that found
-no usable draft (misses), how many outputs were
-identical to the target alone's and how many constrained ones validate against their schema.
-Then the mean acceptance length along the same tokens, the constrained outputs, replayed on the
-draft service (bench/drafter_mal.py) with the sequence opened without and with the schema: what
+up, then sends the 8 prompts of bench/prompts/json_extraction.jsonl one at a time, greedy, six
+ways: without a constraint, under the prompt's schema, and under it as compact JSON
+(disable_any_whitespace, whose forced keys and punctuation the drafter fast-forwards), each by the
+target alone and by the async pair. It prints tokens/s of each, the pair ÷ alone ratio of each,
+the mean acceptance length, the share of steps that found no usable draft (misses), how many
+outputs were identical to the target alone's and how many constrained ones validate.
+
+Then the mean acceptance length along the same tokens, the schema's outputs, replayed on fresh
+draft services (bench/drafter_mal.py) with the sequence opened without and with the schema: what
 the constraint does to drafting itself, apart from the outputs it changes. Then, from the
-target's metrics, its mean decode step with and without the constraint (the cost
-of masking on the step) and the time its mask thread spent per step, and the compile time of the
-schemas, measured here on a fresh compiler.
+target's metrics, its mean decode step with and without the schema (the cost of masking on the
+step) and the time its mask thread spent per step, and the schemas' compile time on a fresh
+compiler.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ from tandem.structured import Constraint, GrammarCompiler
 from tandem.v1 import generation_pb2, generation_pb2_grpc, structured_pb2
 
 K = 4  # the target's default draft tokens per step
+# Without a constraint; under the prompt's schema; under it as compact JSON (disable_any_whitespace).
+CONSTRAINTS = ("none", "schema", "compact")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +76,13 @@ class Run:
         return misses / max(1.0, steps + misses)
 
 
-def _request(ids: list[int], prompt: JsonPrompt, constrained: bool, speculate: bool,
+def _request(ids: list[int], prompt: JsonPrompt, constraint: str, speculate: bool,
              max_tokens: int) -> generation_pb2.GenerateRequest:
+    """constraint: one of CONSTRAINTS."""
     params = generation_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, speculate=speculate)
-    if constrained:
-        params.structured_outputs.CopyFrom(structured_pb2.StructuredOutputs(json=json.dumps(prompt.schema)))
+    if constraint != "none":
+        params.structured_outputs.CopyFrom(structured_pb2.StructuredOutputs(
+            json=json.dumps(prompt.schema), disable_any_whitespace=constraint == "compact"))
     return generation_pb2.GenerateRequest(prompt_token_ids=generation_pb2.TokenIds(ids=ids), sampling_params=params)
 
 
@@ -113,32 +118,32 @@ def measure(drafter: str, args: argparse.Namespace, prompts: list[JsonPrompt], i
                            log_path=logs / f"draft-{drafter}.log").start()
     target = ServiceProcess("target_service", ["--model", args.model, "--dtype", args.dtype, "--threads", "1",
                                                "--drafter", draft.address], log_path=logs / f"target-{drafter}.log").start()
-    runs: dict[tuple[bool, bool], Run] = {}
+    runs: dict[tuple[str, bool], Run] = {}
     try:
         draft.wait_healthy(300)
         target.wait_healthy(300)
         target.wait_metric("tandem_drafter_connected", 1.0)
-        warm = [_request(i, p, c, s, 32) for i, p in zip(ids[:2], prompts[:2]) for c in (False, True)
+        warm = [_request(i, p, c, s, 32) for i, p in zip(ids[:2], prompts[:2]) for c in CONSTRAINTS
                 for s in (False, True)]
         asyncio.run(_one_at_a_time(target.address, warm))
-        for constrained in (False, True):
+        for constraint in CONSTRAINTS:
             for speculate in (False, True):
-                requests = [_request(i, p, constrained, speculate, args.max_tokens) for i, p in zip(ids, prompts)]
-                runs[constrained, speculate] = run(target, requests)
+                requests = [_request(i, p, constraint, speculate, args.max_tokens) for i, p in zip(ids, prompts)]
+                runs[constraint, speculate] = run(target, requests)
     finally:
         target.terminate(10)
         draft.terminate(10)
-    same_text = replay_under_constraints(drafter, draft_model, prompts, ids, runs[True, False].results, logs)
-    for constrained in (False, True):
-        alone, pair = runs[constrained, False], runs[constrained, True]
+    same_text = replay_under_constraints(drafter, draft_model, prompts, ids, runs["schema", False].results, logs)
+    for constraint in CONSTRAINTS:
+        alone, pair = runs[constraint, False], runs[constraint, True]
         same = sum(a.token_ids == p.token_ids for a, p in zip(alone.results, pair.results))
-        validity = f"{valid(prompts, pair.results)}/{len(prompts)}" if constrained else "-"
-        print(f"| {drafter} | {'schema' if constrained else 'none'} | {alone.tok_s:.1f} | {pair.tok_s:.1f} | "
+        validity = "-" if constraint == "none" else f"{valid(prompts, pair.results)}/{len(prompts)}"
+        print(f"| {drafter} | {constraint} | {alone.tok_s:.1f} | {pair.tok_s:.1f} | "
               f"{pair.tok_s / alone.tok_s:.2f} | {pair.mal:.2f} | {pair.miss_share:.0%} | {same}/{len(prompts)} | "
               f"{validity} |", flush=True)
     print(f"|   | same text (the constrained outputs, replayed on the drafter): MAL {same_text[False]:.2f} opened "
           f"without the schema, {same_text[True]:.2f} with it | | | | | | | |", flush=True)
-    free, alone = runs[False, False], runs[True, False]
+    free, alone = runs["none", False], runs["schema", False]
     masks = alone.delta("tandem_grammar_mask_seconds_sum") / max(1.0, alone.delta("tandem_grammar_mask_seconds_count"))
     step, free_step = decode_step(alone), decode_step(free)
     print(f"|   | target alone, decode step: {step * 1e3:.2f} ms constrained, {free_step * 1e3:.2f} ms without "

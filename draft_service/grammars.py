@@ -5,6 +5,10 @@ copy of the grammar advanced over a round's prefix and drafts), so that it draft
 target can accept; the lookup drafters' drafts are cut at the first token the grammar forbids.
 Either way the target verifies against its own masked distribution: this only saves it drafts
 that would surely be rejected.
+
+Fast-forward: where the grammar forces the next tokens (compact JSON's keys and punctuation), a
+draft shorter than k is extended with them, as ids or point masses (K = 1). They are drafts like
+any other, verified by the target, so output stays lossless; they are simply very likely.
 """
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import logging
 
 from draft_service.drafter import Draft, DraftSequence, SeqKey
 from draft_service.kv_slots import common_prefix_len
-from kernels.compression import truncate_packed
+from draft_service.ngram_drafter import point_mass
+from kernels.compression import pack, truncate_packed
 from tandem.structured import CompiledGrammar, ConstraintError, GrammarCompiler
 from tandem.structured.grammar import Matcher
 
@@ -60,6 +65,17 @@ class SequenceGrammar:
         cursor = self.cursor(prefix)
         return 0 if cursor is None else cursor.validate_tokens(drafts)
 
+    def fit(self, prefix: list[int], drafts: list[int], limit: int) -> tuple[int, list[int]]:
+        """How many of the drafts the grammar allows, and the tokens it forces after those (at most
+        limit tokens in all)."""
+        cursor = self.cursor(prefix)
+        if cursor is None:
+            return 0, []
+        allowed = cursor.validate_tokens(drafts)
+        if allowed >= limit or not cursor.consume_tokens(drafts[:allowed]) or cursor.is_stopped():
+            return allowed, []
+        return allowed, cursor.compute_ff_tokens()[: limit - allowed]
+
 
 class DraftGrammars:
     """The grammars of the constrained sequences, compiled on open, settled with each round."""
@@ -84,18 +100,32 @@ class DraftGrammars:
 
     @staticmethod
     def constrain(drafts: list[Draft], sequences: dict[SeqKey, DraftSequence]) -> list[Draft]:
-        """Each constrained draft cut at the first token its grammar forbids; pre-drafts left empty go."""
+        """Each constrained draft cut at the first token its grammar forbids, then extended with the
+        tokens the grammar forces, up to k; pre-drafts left empty go."""
         kept = []
         for draft in drafts:
             sequence = sequences.get(draft.key)
-            if sequence is not None and sequence.constraint is not None and draft.token_ids:
-                grammar = sequence.grammar
-                allowed = 0 if grammar is None else grammar.allowed_prefix(draft.prefix, draft.token_ids)
-                if allowed < len(draft.token_ids):
-                    cut(draft, allowed)
+            if sequence is not None and sequence.constraint is not None:
+                _fit(draft, sequence)
             if draft.token_ids or not draft.assumed_ids:
                 kept.append(draft)
         return kept
+
+
+def _fit(draft: Draft, sequence: DraftSequence) -> None:
+    if sequence.grammar is None:
+        cut(draft, 0)
+        return
+    extendable = draft.probs_top_k <= 1  # ids only, or point masses: forced tokens come as point masses
+    limit = sequence.k if extendable else len(draft.token_ids)
+    allowed, forced = sequence.grammar.fit(draft.prefix, draft.token_ids, limit)
+    if allowed < len(draft.token_ids):
+        cut(draft, allowed)
+    if forced:
+        draft.token_ids.extend(forced)
+        draft.recovered_guesses.extend([] for _ in forced)
+        if sequence.sampling.sends_probs:
+            draft.probs, draft.probs_top_k = pack(point_mass(draft.token_ids)), 1
 
 
 def cut(draft: Draft, keep: int) -> None:

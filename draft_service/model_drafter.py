@@ -7,7 +7,8 @@ tokens equal to those drafts, the next catch-up starts after them: accepted draf
 recompute. A rollback is a catch-up from an earlier position.
 
 Structured output: a constrained job's row carries a cursor of its grammar (grammars.py), and its
-logits are masked before each token is drawn, so its drafts, guesses and q follow the grammar.
+logits are masked before each token is drawn, so its drafts, guesses and q follow the grammar;
+where the grammar forces the next token, the row takes it without drawing (q' = 1 on it).
 
 Pre-drafts (predraft.py) are more rows of the same forwards, each in a scratch slot that holds the
 prefix it shares with the sequence (kv_slots.py); rows are nearly free to a memory-bound drafter.
@@ -27,7 +28,7 @@ from draft_service.drafter import Draft, DraftJob, Guess, Sampling, SeqKey, make
 from draft_service.kv_slots import SlotState, SlotTable, common_prefix_len
 from draft_service.metrics import DraftMetrics
 from kernels.bitmask import allowed_tokens
-from kernels.compression import CompressedProbs, encode, sample_compressed
+from kernels.compression import ONE, CompressedProbs, encode, sample_compressed
 from kernels.sampling import processed_probs, sample
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
@@ -57,6 +58,14 @@ class DrawnTokens:
     # [B] lists: each row's most likely tokens other than tokens[b], best first, with the drafter's
     # probability (at temperature 1) that the target emits each if it rejects tokens[b]
     alternatives: list[list[Guess]]
+
+
+def point_mass_row(token: int, k: int) -> CompressedProbs:
+    """q' = 1 on token, as one row [1, K] like encode's: the other K - 1 ids distinct, at probability 0."""
+    others = [t for t in range(k) if t != token][: k - 1]
+    fixed = torch.zeros(1, k, dtype=torch.int32)
+    fixed[0, 0] = ONE
+    return CompressedProbs(torch.tensor([[token, *others]], dtype=torch.int32), fixed.to(torch.uint16))
 
 
 def stack_rows(rows: list[CompressedProbs]) -> CompressedProbs:
@@ -151,6 +160,7 @@ class Row:
     budget: int
     grammar: Matcher | None = None  # a constrained job's cursor, at the row's last token
     blocked: bool = False  # its grammar allows nothing more (it is complete), or nothing the head can draft
+    forced_now: bool = False  # this position's token was forced by the grammar, not drawn
     guessed_next: int | None = None  # the bonus token a guess_next job guessed
     token_ids: list[int] = field(default_factory=list)
     q_rows: list[CompressedProbs] = field(default_factory=list)
@@ -249,9 +259,12 @@ class ModelDrafter:
 
     def _advance(self, rows: list[Row], logits: torch.Tensor) -> None:
         """One token per row from its logits [len(rows), V]: a guess at the bonus token, or a draft."""
+        for row in rows:
+            row.forced_now = False
+        self._take_forced(rows)
         self._mask(rows, logits)
-        guessing = [i for i, row in enumerate(rows) if row.guessing and not row.blocked]
-        drawing = [i for i, row in enumerate(rows) if not row.guessing and not row.blocked]
+        guessing = [i for i, row in enumerate(rows) if row.guessing and not row.blocked and not row.forced_now]
+        drawing = [i for i, row in enumerate(rows) if not row.guessing and not row.blocked and not row.forced_now]
         if guessing:
             for i, token in zip(guessing, top_tokens(logits[guessing], self.draft_vocab).tolist()):
                 rows[i].guessed_next = token
@@ -270,10 +283,28 @@ class ModelDrafter:
             row.recovered_guesses.append(drawn.alternatives[n])
             row.follow_grammar(drawn.tokens[n])
 
+    def _take_forced(self, rows: list[Row]) -> None:
+        """Where a constrained row's grammar forces the next tokens, take the first as its token, with
+        q' = 1 on it: the grammar's own tokenization of forced text, which the target takes far more
+        often than another spelling of it, and which a reduced head may not even hold."""
+        for row in rows:
+            if row.grammar is None or row.blocked or not (forced := row.grammar.compute_ff_tokens()):
+                continue
+            if row.guessing:
+                row.guessed_next = forced[0]
+            else:
+                row.token_ids.append(forced[0])
+                if row.job.sequence.sampling.sends_probs:
+                    row.q_rows.append(point_mass_row(forced[0], self.probs_top_k))
+                row.recovered_guesses.append([])
+            row.forced_now = True
+            row.follow_grammar(forced[0])
+
     def _mask(self, rows: list[Row], logits: torch.Tensor) -> None:
         """In place: -inf where a constrained row's grammar forbids the token. A row left with no
         token its head can draft is blocked. Unconstrained batches skip this altogether."""
-        constrained = [i for i, row in enumerate(rows) if row.grammar is not None and not row.blocked]
+        constrained = [i for i, row in enumerate(rows)
+                       if row.grammar is not None and not row.blocked and not row.forced_now]
         if not constrained:
             return
         bitmask = self.masker.fill([(rows[i].grammar, []) for i in constrained])  # [C, W]

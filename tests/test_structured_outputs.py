@@ -316,3 +316,61 @@ def test_suffix_in_front_hands_a_draft_the_grammar_would_cut_to_the_model(model_
     assert tokenizer.decode(drafts[free.key].token_ids) == " one two three"
     assert drafts[constrained.key].token_ids
     assert tokenizer.decode(drafts[constrained.key].token_ids).isdigit()
+
+
+def test_compact_json_is_its_own_constraint_and_only_for_json():
+    compact = Constraint.from_proto(structured_pb2.StructuredOutputs(json=json.dumps(PERSON),
+                                                                     disable_any_whitespace=True))
+    assert compact.compact and compact.to_proto().disable_any_whitespace
+    assert compact.key != Constraint("json", json.dumps(PERSON)).key
+    with pytest.raises(ConstraintError) as err:
+        Constraint.from_proto(structured_pb2.StructuredOutputs(regex="a", disable_any_whitespace=True))
+    assert err.value.field == "structured_outputs.disable_any_whitespace"
+
+
+def test_compact_json_allows_no_whitespace_between_tokens(compiler, tokenizer):
+    matcher = compiler.compile(Constraint("json", json.dumps(PERSON), compact=True)).matcher()
+    spaced = tokenizer.encode('{ "name"', add_special_tokens=False)
+    assert matcher.validate_tokens(spaced) < len(spaced)
+    tight = tokenizer.encode('{"name":"Al","age":3}', add_special_tokens=False)
+    assert matcher.validate_tokens(tight) == len(tight)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0, seed=5)])
+def test_lookup_drafts_are_extended_with_the_tokens_the_grammar_forces(compiler, tokenizer, sampling):
+    """Compact JSON forces '{"name":"' at the start: an empty lookup draft becomes the tokens of it that
+    llguidance is sure of (it stops where the tokenization could still go several ways)."""
+    prompt = tokenizer.encode("Extract the person.", add_special_tokens=False)
+    sequence = _constrained(compiler, (5, 1), prompt, Constraint("json", json.dumps(PERSON), compact=True),
+                            sampling)
+    sequence.k = 8
+    [draft] = DraftGrammars.constrain([make_draft(DraftJob(sequence, list(prompt)), [], None)],
+                                      {sequence.key: sequence})
+    text = tokenizer.decode(draft.token_ids)
+    assert text.startswith('{"name') and '{"name":"'.startswith(text)
+    assert len(draft.recovered_guesses) == len(draft.token_ids)
+    if sampling.sends_probs:
+        sent = unpack(draft.probs, len(draft.token_ids), 1, VOCAB)
+        assert draft.probs_top_k == 1 and sent.ids[:, 0].tolist() == draft.token_ids
+    else:
+        assert draft.probs == b""
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0, seed=9)])
+def test_the_model_drafter_drafts_forced_text_in_the_grammars_tokens(model_drafter, compiler, tokenizer, sampling):
+    """Where compact JSON forces '{"name', the drafter proposes llguidance's tokens of it, with q' = 1 there."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Who is Ada Lovelace? Answer as JSON."}])
+    constraint = Constraint("json", json.dumps(PERSON), compact=True)
+    forced = compiler.compile(constraint).matcher().compute_ff_tokens()
+    assert forced, "compact JSON forces its opening"
+    sequence = _constrained(compiler, (6, 1), prompt, constraint, sampling)
+    sequence.k = len(forced)
+    model_drafter.open(sequence.key)
+    try:
+        [draft] = model_drafter.draft([DraftJob(sequence, list(prompt))])
+    finally:
+        model_drafter.close(sequence.key)
+    assert draft.token_ids == forced
+    if sampling.sends_probs:
+        sent = unpack(draft.probs, len(forced), draft.probs_top_k, VOCAB)
+        assert sent.ids[:, 0].tolist() == forced and sent.fixed[:, 0].int().tolist() == [1 << 15] * len(forced)

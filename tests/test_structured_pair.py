@@ -62,6 +62,30 @@ def test_every_output_validates_and_greedy_speculation_is_token_identical(pair, 
     assert _accepted(target) > before, "no draft was accepted: speculation did not run"
 
 
+def _outside_strings(text: str) -> str:
+    return re.sub(r'"(\\.|[^"\\])*"', '""', text)
+
+
+def test_compact_json_has_no_whitespace_and_the_drafter_fast_forwards_it(ngram_pair):
+    """disable_any_whitespace: outputs validate with no whitespace outside strings, greedy speculation is
+    token-identical, and drafts are accepted (the grammar's forced keys and punctuation)."""
+    _, target = ngram_pair
+
+    def request(prompt, speculate: bool) -> generation_pb2.GenerateRequest:
+        return greedy_request(prompt.messages[0][1], MAX_TOKENS, speculate=speculate,
+                              structured_outputs=structured_pb2.StructuredOutputs(
+                                  json=json.dumps(prompt.schema), disable_any_whitespace=True))
+
+    prompts = JSON_PROMPTS[:4]
+    alone = run_requests(target.address, [request(p, False) for p in prompts])
+    speculative = run_requests(target.address, [request(p, True) for p in prompts])
+    for prompt, a, s in zip(prompts, alone, speculative):
+        assert s.token_ids == a.token_ids, prompt.id
+        jsonschema.validate(json.loads(s.text), prompt.schema)
+        assert not re.search(r"\s", _outside_strings(s.text)), s.text
+    assert sum(s.accepted_tokens for s in speculative) > 0
+
+
 def _choice_request(seed: int, speculate: bool) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
         chat=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(
@@ -193,6 +217,8 @@ def test_tandem_generate_takes_a_schema_file_a_regex_or_choices(ngram_pair, tmp_
     runs = [(["--json-schema", str(schema)], lambda out: jsonschema.validate(json.loads(out), JSON_PROMPTS[2].schema)),
             (["--regex", "[0-9]{2}-[a-z]{2}"], lambda out: _assert_matches(r"[0-9]{2}-[a-z]{2}", out)),
             (["--choice", "left", "--choice", "right"], lambda out: _assert_in(out, ("left", "right"))),
+            (["--json-schema", str(schema), "--disable-any-whitespace"],
+             lambda out: _assert_matches(r"\S+", _outside_strings(out))),
             (["--grammar", str(grammar)], lambda out: _assert_in(out, ("yes", "no")))]
     for flags, check in runs:
         with pytest.raises(SystemExit) as code:

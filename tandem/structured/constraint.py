@@ -25,6 +25,7 @@ class ConstraintError(ValueError):
 class Constraint:
     kind: str  # one of KINDS
     spec: str | tuple[str, ...]  # the schema text, regex or grammar; the choices; "" for json_object
+    compact: bool = False  # JSON kinds: no whitespace between tokens (disable_any_whitespace)
 
     @property
     def field(self) -> str:
@@ -33,18 +34,23 @@ class Constraint:
     @property
     def key(self) -> str:
         """The content hash that compiled grammars are cached by."""
-        return hashlib.sha256(json.dumps([self.kind, self.spec]).encode()).hexdigest()
+        return hashlib.sha256(json.dumps([self.kind, self.spec, self.compact]).encode()).hexdigest()
 
     @classmethod
     def from_proto(cls, msg: structured_pb2.StructuredOutputs) -> Constraint | None:
         """The constraint a request sets, None when it sets none; ConstraintError past the size limits."""
         kind = msg.WhichOneof("constraint")
         if kind is None:
+            if msg.disable_any_whitespace:
+                raise ConstraintError("structured_outputs", "disable_any_whitespace needs json or json_object set")
             return None
+        if msg.disable_any_whitespace and kind not in ("json", "json_object"):
+            raise ConstraintError("structured_outputs.disable_any_whitespace", f"applies to json and json_object, "
+                                                                             f"not to {kind}")
         if kind == "json_object":
             if not msg.json_object:
                 raise ConstraintError("structured_outputs.json_object", "set it to true, or leave structured_outputs unset")
-            return cls(kind, "")
+            return cls(kind, "", msg.disable_any_whitespace)
         if kind == "choice":
             return cls(kind, _checked_choices(list(msg.choice.choices)))
         spec = getattr(msg, kind)
@@ -52,14 +58,14 @@ class Constraint:
             raise ConstraintError(f"structured_outputs.{kind}", "must not be empty")
         if len(spec) > MAX_SPEC_CHARS:
             raise ConstraintError(f"structured_outputs.{kind}", f"has {len(spec)} characters, at most {MAX_SPEC_CHARS}")
-        return cls(kind, spec)
+        return cls(kind, spec, msg.disable_any_whitespace)
 
     def to_proto(self) -> structured_pb2.StructuredOutputs:
         if self.kind == "json_object":
-            return structured_pb2.StructuredOutputs(json_object=True)
+            return structured_pb2.StructuredOutputs(json_object=True, disable_any_whitespace=self.compact)
         if self.kind == "choice":
             return structured_pb2.StructuredOutputs(choice=structured_pb2.Choices(choices=self.spec))
-        return structured_pb2.StructuredOutputs(**{self.kind: self.spec})
+        return structured_pb2.StructuredOutputs(**{self.kind: self.spec}, disable_any_whitespace=self.compact)
 
 
 def _checked_choices(choices: list[str]) -> tuple[str, ...]:

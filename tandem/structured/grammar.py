@@ -142,9 +142,9 @@ def _grammar_text(constraint: Constraint) -> str:
             raise ConstraintError(constraint.field, f"is not valid JSON: {err}") from err
         if not isinstance(schema, dict):
             raise ConstraintError(constraint.field, "must be a JSON object (a schema)")
-        return Matcher.grammar_from_json_schema(schema)
+        return Matcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": not constraint.compact})
     if kind == "json_object":
-        return Matcher.grammar_from_json_schema({"type": "object"})
+        return Matcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": not constraint.compact})
     if kind == "regex":
         return Matcher.grammar_from_regex(spec)
     if kind == "choice":
