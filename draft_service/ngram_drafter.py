@@ -19,16 +19,24 @@ from draft_service.drafter import Draft, DraftJob, SeqKey, make_draft, never
 from kernels.compression import ONE, CompressedProbs
 
 
-def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens after the most recent earlier occurrence of the longest trailing n-gram (max_n..min_n)."""
+MAX_CANDIDATES = 8  # occurrences tried per n-gram length when the first continuations are not allowed
+
+
+def lookup(tokens: list[int], k: int, min_n: int, max_n: int,
+           allowed: Callable[[int], bool] | None = None) -> list[int]:
+    """Up to k tokens after the most recent earlier occurrence of the longest trailing n-gram (max_n..min_n).
+
+    allowed: whether a continuation may start with this token (a structured-output grammar's); the
+    next most recent occurrences are tried, then shorter n-grams."""
     seq = np.asarray(tokens, dtype=np.int64)
     for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
         # Windows of the sequence without its last token: every match has at least one follower.
         windows = sliding_window_view(seq[:-1], n)  # [len - n, n]
         hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-        if hits.size:
-            follow = int(hits[-1]) + n
-            return seq[follow : follow + k].tolist()
+        for hit in hits[::-1][: 1 if allowed is None else MAX_CANDIDATES]:
+            follow = int(hit) + n
+            if allowed is None or allowed(int(seq[follow])):
+                return seq[follow : follow + k].tolist()
     return []
 
 
@@ -66,10 +74,20 @@ class NgramDrafter:
             guess = lookup(job.tokens, 1, self.min_n, self.max_n) if job.guess_next else []
             if job.guess_next and not guess:
                 continue  # no guess at the bonus token: this outcome is not covered
-            token_ids = lookup(job.tokens + guess, job.sequence.k, self.min_n, self.max_n)
+            token_ids = lookup(job.tokens + guess, job.sequence.k, self.min_n, self.max_n,
+                               _first_allowed(job, job.tokens + guess))
             if job.is_predraft and not token_ids:
                 continue  # "nothing" answers a prefix the target has sent, never an assumed one
             # An empty proposal tells the target there is nothing for this prefix, so it need not wait.
             q_prime = point_mass(token_ids) if token_ids and job.sequence.sampling.sends_probs else None
             drafts.append(make_draft(job, token_ids, q_prime, guessed_next=guess[0] if guess else None))
         return drafts
+
+
+def _first_allowed(job: DraftJob, prefix: list[int]) -> Callable[[int], bool] | None:
+    """For a constrained sequence: whether its grammar allows a token right after prefix."""
+    grammar = job.sequence.grammar
+    if grammar is None:
+        return None
+    cursor = grammar.cursor(prefix)
+    return (lambda token: False) if cursor is None else (lambda token: cursor.validate_tokens([token]) == 1)

@@ -374,3 +374,26 @@ def test_the_model_drafter_drafts_forced_text_in_the_grammars_tokens(model_draft
     if sampling.sends_probs:
         sent = unpack(draft.probs, len(forced), draft.probs_top_k, VOCAB)
         assert sent.ids[:, 0].tolist() == forced and sent.fixed[:, 0].int().tolist() == [1 << 15] * len(forced)
+
+
+def test_the_ngram_lookup_skips_occurrences_whose_continuation_the_grammar_forbids():
+    from draft_service.ngram_drafter import lookup
+
+    tokens = [1, 2, 7, 8, 1, 2, 9, 9, 1, 2]  # "1 2" was followed by 9 most recently, by 7 before
+    assert lookup(tokens, 2, 1, 2) == [9, 9]
+    assert lookup(tokens, 2, 1, 2, allowed=lambda token: token != 9) == [7, 8]
+    assert lookup(tokens, 2, 1, 2, allowed=lambda token: False) == []
+
+
+def test_the_ngram_drafter_finds_a_continuation_its_grammar_allows(compiler, tokenizer):
+    from draft_service.ngram_drafter import NgramDrafter
+
+    [is_, dot, x] = [tokenizer.encode(t, add_special_tokens=False)[0] for t in (" is", ".", "x")]
+    digits = tokenizer.encode("42", add_special_tokens=False)
+    prompt = [is_, *digits, dot, is_, x, dot, is_]  # " is" was followed by 42, then more recently by x
+    sequence = _constrained(compiler, (7, 1), prompt, Constraint("regex", "[0-9]+"))
+    free = DraftSequence((7, 2), list(prompt), Sampling(), 4)
+    drafts = {d.key: d for d in NgramDrafter(1, 4).draft([DraftJob(sequence, list(prompt)),
+                                                          DraftJob(free, list(prompt))])}
+    assert drafts[sequence.key].token_ids[0] == digits[0]
+    assert drafts[free.key].token_ids[0] == x, "unconstrained, the most recent occurrence wins"
