@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from bench.prompt_set import JsonPrompt, load_json_prompts
-from kernels.bitmask import words_for
 from tandem.registry import DEFAULT_MODEL
 from tandem.runtime import load_tokenizer, tokenizer_path
+from tandem.structured.grammar import words_for
 from tandem.tokenizer import Tokenizer
 
 

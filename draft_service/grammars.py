@@ -16,8 +16,7 @@ import logging
 
 from draft_service.drafter import Draft, DraftSequence, SeqKey
 from draft_service.kv_slots import common_prefix_len
-from draft_service.ngram_drafter import point_mass
-from kernels.compression import pack, truncate_packed
+from kernels.compression import pack, point_mass, truncate_packed
 from tandem.structured import CompiledGrammar, ConstraintError, GrammarCompiler
 from tandem.structured.grammar import Matcher
 
@@ -59,11 +58,6 @@ class SequenceGrammar:
         if not cursor.consume_tokens(tokens[common:]) or cursor.is_stopped():
             return None
         return cursor
-
-    def allowed_prefix(self, prefix: list[int], drafts: list[int]) -> int:
-        """How many of the drafts after prefix the grammar allows, in order."""
-        cursor = self.cursor(prefix)
-        return 0 if cursor is None else cursor.validate_tokens(drafts)
 
     def fit(self, prefix: list[int], drafts: list[int], limit: int) -> tuple[int, list[int]]:
         """How many of the drafts the grammar allows, and the tokens it forces after those (at most

@@ -28,7 +28,7 @@ from draft_service.drafter import Draft, DraftJob, Guess, Sampling, SeqKey, make
 from draft_service.kv_slots import SlotState, SlotTable, common_prefix_len
 from draft_service.metrics import DraftMetrics
 from kernels.bitmask import allowed_tokens
-from kernels.compression import ONE, CompressedProbs, encode, sample_compressed
+from kernels.compression import CompressedProbs, encode, point_mass, sample_compressed
 from kernels.sampling import processed_probs, sample
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
@@ -58,14 +58,6 @@ class DrawnTokens:
     # [B] lists: each row's most likely tokens other than tokens[b], best first, with the drafter's
     # probability (at temperature 1) that the target emits each if it rejects tokens[b]
     alternatives: list[list[Guess]]
-
-
-def point_mass_row(token: int, k: int) -> CompressedProbs:
-    """q' = 1 on token, as one row [1, K] like encode's: the other K - 1 ids distinct, at probability 0."""
-    others = [t for t in range(k) if t != token][: k - 1]
-    fixed = torch.zeros(1, k, dtype=torch.int32)
-    fixed[0, 0] = ONE
-    return CompressedProbs(torch.tensor([[token, *others]], dtype=torch.int32), fixed.to(torch.uint16))
 
 
 def stack_rows(rows: list[CompressedProbs]) -> CompressedProbs:
@@ -160,7 +152,6 @@ class Row:
     budget: int
     grammar: Matcher | None = None  # a constrained job's cursor, at the row's last token
     blocked: bool = False  # its grammar allows nothing more (it is complete), or nothing the head can draft
-    forced_now: bool = False  # this position's token was forced by the grammar, not drawn
     guessed_next: int | None = None  # the bonus token a guess_next job guessed
     token_ids: list[int] = field(default_factory=list)
     q_rows: list[CompressedProbs] = field(default_factory=list)
@@ -259,12 +250,10 @@ class ModelDrafter:
 
     def _advance(self, rows: list[Row], logits: torch.Tensor) -> None:
         """One token per row from its logits [len(rows), V]: a guess at the bonus token, or a draft."""
-        for row in rows:
-            row.forced_now = False
-        self._take_forced(rows)
-        self._mask(rows, logits)
-        guessing = [i for i, row in enumerate(rows) if row.guessing and not row.blocked and not row.forced_now]
-        drawing = [i for i, row in enumerate(rows) if not row.guessing and not row.blocked and not row.forced_now]
+        forced = self._take_forced(rows)
+        self._mask(rows, logits, forced)
+        guessing = [i for i, row in enumerate(rows) if row.guessing and not row.blocked and i not in forced]
+        drawing = [i for i, row in enumerate(rows) if not row.guessing and not row.blocked and i not in forced]
         if guessing:
             for i, token in zip(guessing, top_tokens(logits[guessing], self.draft_vocab).tolist()):
                 rows[i].guessed_next = token
@@ -283,11 +272,13 @@ class ModelDrafter:
             row.recovered_guesses.append(drawn.alternatives[n])
             row.follow_grammar(drawn.tokens[n])
 
-    def _take_forced(self, rows: list[Row]) -> None:
+    def _take_forced(self, rows: list[Row]) -> set[int]:
         """Where a constrained row's grammar forces the next tokens, take the first as its token, with
         q' = 1 on it: the grammar's own tokenization of forced text, which the target takes far more
-        often than another spelling of it, and which a reduced head may not even hold."""
-        for row in rows:
+        often than another spelling of it, and which a reduced head may not even hold.
+        Returns the indices of the rows that took one."""
+        taken = set()
+        for i, row in enumerate(rows):
             if row.grammar is None or row.blocked or not (forced := row.grammar.compute_ff_tokens()):
                 continue
             if row.guessing:
@@ -295,16 +286,18 @@ class ModelDrafter:
             else:
                 row.token_ids.append(forced[0])
                 if row.job.sequence.sampling.sends_probs:
-                    row.q_rows.append(point_mass_row(forced[0], self.probs_top_k))
+                    row.q_rows.append(point_mass([forced[0]], self.probs_top_k))
                 row.recovered_guesses.append([])
-            row.forced_now = True
+            taken.add(i)
             row.follow_grammar(forced[0])
+        return taken
 
-    def _mask(self, rows: list[Row], logits: torch.Tensor) -> None:
+    def _mask(self, rows: list[Row], logits: torch.Tensor, forced: set[int]) -> None:
         """In place: -inf where a constrained row's grammar forbids the token. A row left with no
-        token its head can draft is blocked. Unconstrained batches skip this altogether."""
+        token its head can draft is blocked. Rows whose token was forced are left alone, and
+        unconstrained batches skip this altogether."""
         constrained = [i for i, row in enumerate(rows)
-                       if row.grammar is not None and not row.blocked and not row.forced_now]
+                       if row.grammar is not None and not row.blocked and i not in forced]
         if not constrained:
             return
         bitmask = self.masker.fill([(rows[i].grammar, []) for i in constrained])  # [C, W]

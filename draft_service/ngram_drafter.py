@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from draft_service.drafter import Draft, DraftJob, SeqKey, make_draft, never
-from kernels.compression import ONE, CompressedProbs
+from kernels.compression import point_mass
 
 
 MAX_CANDIDATES = 8  # occurrences tried per n-gram length when the first continuations are not allowed
@@ -38,12 +37,6 @@ def lookup(tokens: list[int], k: int, min_n: int, max_n: int,
             if allowed is None or allowed(int(seq[follow])):
                 return seq[follow : follow + k].tolist()
     return []
-
-
-def point_mass(token_ids: list[int]) -> CompressedProbs:
-    """q' = one-hot on each proposed token: ids [N, 1], fixed [N, 1] = ONE."""
-    ids = torch.tensor(token_ids, dtype=torch.int32)[:, None]
-    return CompressedProbs(ids, torch.full_like(ids, ONE).to(torch.uint16))
 
 
 class NgramDrafter:

@@ -171,13 +171,14 @@ class DraftScheduler:
         sampling = Sampling.from_proto(msg.sampling)
         try:
             self._check_open(stream, msg, sampling)
+            constraint = self._constraint(msg)
         except InvalidUpdate:
             stream.refused.add(msg.seq_id)
             stream.undrafted.append(nothing_for(msg.seq_id, len(msg.prompt_ids)))
             raise
         stream.refused.discard(msg.seq_id)
         sequence = DraftSequence((stream.id, msg.seq_id), list(msg.prompt_ids), sampling, msg.k,
-                                 accepts_assumed=msg.accepts_assumed, constraint=self._constraint(msg),
+                                 accepts_assumed=msg.accepts_assumed, constraint=constraint,
                                  constrained_from=msg.constrained_from)
         stream.sequences[msg.seq_id] = sequence
         self._predrafter.open(sequence)
@@ -203,22 +204,19 @@ class DraftScheduler:
         if limits.max_seqs_per_target and len(stream.sequences) >= limits.max_seqs_per_target:
             raise InvalidUpdate("target_quota", f"this target holds {len(stream.sequences)} sequences, "
                                                 f"max_seqs_per_target={limits.max_seqs_per_target}")
-        if msg.HasField("structured_outputs"):
-            if self._grammars is None:
-                raise InvalidUpdate("bad_constraint", "this drafter does not draft under structured-output constraints")
-            if msg.constrained_from > len(msg.prompt_ids):
-                raise InvalidUpdate("bad_constraint", f"constrained_from={msg.constrained_from} is past the "
-                                                      f"{len(msg.prompt_ids)} tokens sent")
-            self._constraint(msg)
 
-    @staticmethod
-    def _constraint(msg: drafter_pb2.SequenceOpen) -> Constraint | None:
-        if not msg.HasField("structured_outputs"):
-            return None
+    def _constraint(self, msg: drafter_pb2.SequenceOpen) -> Constraint | None:
+        """The Open's structured-output constraint, None without one; InvalidUpdate when it cannot be used."""
         try:
-            return Constraint.from_proto(msg.structured_outputs)
+            constraint = Constraint.from_proto(msg.structured_outputs)
         except ConstraintError as err:
             raise InvalidUpdate("bad_constraint", str(err)) from err
+        if constraint is not None and self._grammars is None:
+            raise InvalidUpdate("bad_constraint", "this drafter does not draft under structured-output constraints")
+        if constraint is not None and msg.constrained_from > len(msg.prompt_ids):
+            raise InvalidUpdate("bad_constraint", f"constrained_from={msg.constrained_from} is past the "
+                                                  f"{len(msg.prompt_ids)} tokens sent")
+        return constraint
 
     def _check_token_ids(self, token_ids: Iterable[int]) -> None:
         if token_ids and max(token_ids) >= self._limits.vocab_size:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from draft_service.drafter import Draft, DraftJob, SeqKey, make_draft, never
 from draft_service.model_drafter import ModelDrafter
-from draft_service.ngram_drafter import point_mass
 from draft_service.suffix_index import NO_DRAFT, SuffixDraft, SuffixIndex, SuffixParams, speculate
+from kernels.compression import point_mass
 
 
 @dataclass(slots=True)
@@ -152,4 +152,4 @@ class SuffixFrontDrafter:
 
 def _follows_grammar(job: DraftJob, tokens: list[int]) -> bool:
     grammar = job.sequence.grammar
-    return grammar is None or grammar.allowed_prefix(job.tokens, tokens) == len(tokens)
+    return grammar is None or grammar.fit(job.tokens, tokens, len(tokens))[0] == len(tokens)

@@ -15,11 +15,6 @@ from kernels._triton import jit, next_power_of_2, require_triton, tl
 BLOCK_V = 1024
 
 
-def words_for(vocab_size: int) -> int:
-    """int32 words per bitmask row."""
-    return (vocab_size + 31) // 32
-
-
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bitmask [R, W] int32 as bool [R, vocab_size]; tokens past 32 * W are not allowed."""
     if bitmask.device.type == "cpu" and sys.byteorder == "little":  # numpy unpacks 3-4x faster than shifts
@@ -44,15 +39,15 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 
 
 def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    apply_forbidden(logits, ~allowed_tokens(bitmask, logits.shape[1]).to(logits.device), rows)
+    apply_forbidden(logits, ~allowed_tokens(bitmask, logits.shape[1]).to(logits.device), rows.tolist())
 
 
-def apply_forbidden(logits: torch.Tensor, forbidden: torch.Tensor, rows: torch.Tensor) -> None:
+def apply_forbidden(logits: torch.Tensor, forbidden: torch.Tensor, rows: list[int]) -> None:
     """In place: logits[rows[i], t] = -inf where forbidden[i, t]; forbidden [R, V] bool.
 
     Row by row: a step masks few rows, and gathering them would copy each twice. The CPU target
     unpacks `forbidden` on its mask thread during the forward pass, leaving only this after it."""
-    for i, row in enumerate(rows.tolist()):
+    for i, row in enumerate(rows):
         logits[row].masked_fill_(forbidden[i], float("-inf"))
 
 

@@ -61,6 +61,18 @@ def no_probs(num_tokens: int) -> CompressedProbs:
     return CompressedProbs(ids, torch.zeros(num_tokens, 0, dtype=torch.uint16))
 
 
+def point_mass(token_ids: Sequence[int], k: int = 1) -> CompressedProbs:
+    """q' = 1 on each token: rows [N, K] as encode writes them, the token first and, for K > 1, the
+    ids 0, 1, ... (skipping the token) at probability 0, so that every row's ids stay distinct."""
+    others = torch.arange(k, dtype=torch.int32)  # [K]
+    ids = torch.empty(len(token_ids), k, dtype=torch.int32)
+    fixed = torch.zeros(len(token_ids), k, dtype=torch.int32)
+    for row, token in enumerate(token_ids):
+        ids[row] = torch.cat([torch.tensor([token], dtype=torch.int32), others[others != token][: k - 1]])
+        fixed[row, 0] = ONE
+    return CompressedProbs(ids, fixed.to(torch.uint16))
+
+
 def concat(parts: Sequence[CompressedProbs]) -> CompressedProbs:
     """One batch of q' rows from proposals of any K: shorter rows get zero-probability entries."""
     if not parts:

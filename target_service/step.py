@@ -131,7 +131,7 @@ class StepRunner:
                     results[b] = verified
         return results
 
-    def _start_masks(self, rows: list[tuple[Matcher | None, tuple[int, ...]]]) -> tuple[Future, torch.Tensor] | None:
+    def _start_masks(self, rows: list[tuple[Matcher | None, tuple[int, ...]]]) -> tuple[Future, list[int]] | None:
         """Start computing the bitmasks of the constrained items, each (grammar, drafts) owning
         len(drafts) + 1 logits rows; returns the pending masks and the logits rows they cover."""
         jobs, covered, offset = [], [], 0
@@ -142,7 +142,7 @@ class StepRunner:
             offset += len(drafts) + 1
         if not jobs:
             return None
-        return self._mask_thread.submit(self._timed_fill, jobs), self._long(covered)
+        return self._mask_thread.submit(self._timed_fill, jobs), covered
 
     def _timed_fill(self, jobs: list[tuple[Matcher, list[int]]]) -> torch.Tensor:
         """The bitmask [R, W]; on CPU already unpacked to forbidden tokens [R, V], off the critical path."""
@@ -154,14 +154,14 @@ class StepRunner:
             self.metrics.grammar_mask.observe(time.perf_counter() - started)
         return masks
 
-    def _apply_masks(self, logits: torch.Tensor, masks: tuple[Future, torch.Tensor] | None) -> None:
+    def _apply_masks(self, logits: torch.Tensor, masks: tuple[Future, list[int]] | None) -> None:
         if masks is None:
             return
         pending, rows = masks
         if self.device.type == "cpu":
             apply_forbidden(logits, pending.result(), rows)
         else:
-            apply_token_bitmask(logits, pending.result(), rows)
+            apply_token_bitmask(logits, pending.result(), self._long(rows))
 
     def _greedy_tokens(self, logits: torch.Tensor, rows: list[int], total: int) -> list[int]:
         """argmax p of the given rows of logits: greedy rows skip building p altogether."""

@@ -101,8 +101,6 @@ def sampling_options(
 
 
 def _constraint(params: generation_pb2.SamplingParams) -> Constraint | None:
-    if not params.HasField("structured_outputs"):
-        return None
     try:
         return Constraint.from_proto(params.structured_outputs)
     except ConstraintError as err:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kernels._triton import INTERPRETED
-from kernels.bitmask import allowed_tokens, apply_token_bitmask, apply_token_bitmask_reference, words_for
+from kernels.bitmask import allowed_tokens, apply_token_bitmask, apply_token_bitmask_reference
+from tandem.structured.grammar import words_for
 
 VOCABS = [1, 31, 32, 999, 4097, 49152]
 DEVICES = [

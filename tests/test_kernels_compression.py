@@ -16,6 +16,7 @@ from kernels import (
     encode,
     no_probs,
     pack,
+    point_mass,
     sample,
     sample_compressed,
     to_dense,
@@ -171,3 +172,13 @@ def test_concat_pads_rows_with_entries_that_change_nothing():
     assert batch.ids.shape == (6, 5) and batch.fixed.dtype == torch.uint16
     assert torch.equal(to_dense(batch, 30), torch.cat([to_dense(part, 30) for part in parts]))
     assert concat([]).num_tokens == 0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_point_mass_is_a_valid_wire_row_of_any_k(k):
+    """Each row puts all of q' on its token; wider rows pad with other ids at probability 0."""
+    tokens = [2, 0, 7]
+    rows = point_mass(tokens, k)
+    sent = unpack(pack(rows), len(tokens), k, 10)
+    assert sent.ids[:, 0].tolist() == tokens
+    assert torch.equal(to_dense(sent, 10), torch.nn.functional.one_hot(torch.tensor(tokens), 10).float())

@@ -233,8 +233,8 @@ def test_the_grammar_follows_the_committed_tokens_through_rollbacks(compiler, to
     grammar.settle([9, *a, *b, *a])
     assert grammar.cursor([9, *a, *b, *a]) is not None
     grammar.settle([9, *a])  # the target rolled back
-    assert grammar.allowed_prefix([9, *a], [*b, *a, *b]) == 3
-    assert grammar.allowed_prefix([9, *a], [*a]) == 0
+    assert grammar.fit([9, *a], [*b, *a, *b], 3) == (3, [])
+    assert grammar.fit([9, *a], [*a], 1)[0] == 0
 
 
 @pytest.fixture(scope="module")

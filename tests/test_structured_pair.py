@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from collections import Counter
 from concurrent import futures
 
@@ -23,7 +25,7 @@ from service_fixtures import call_error, greedy_request, metric, run_requests, s
 from tandem.launch import ServiceProcess
 from tandem.runtime import load_tokenizer
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2, structured_pb2
-from test_service_pair import _pair_fixture
+from test_service_pair import _pair, _pair_fixture, _wait_connected
 
 MAX_TOKENS = 400
 JSON_PROMPTS = load_json_prompts()
@@ -238,3 +240,34 @@ def _assert_matches(pattern: str, text: str) -> None:
 
 def _assert_in(text: str, allowed: tuple[str, ...]) -> None:
     assert text in allowed, text
+
+
+def test_constrained_requests_survive_a_drafter_restart_and_speculate_again(tmp_path_factory):
+    """The drafter dies mid-generation and comes back: the target reopens the running sequences with
+    their constraint and constrained_from (the prompt's end, before the tokens committed so far), and
+    the new drafter drafts them under the grammar. Output equals the target alone's throughout."""
+    draft, target = _pair(tmp_path_factory, "constrained-restart", ["--drafter", "ngram"],
+                          ["--min-step-ms", "80"])
+    constraint = structured_pb2.StructuredOutputs(regex="([a-z]{1,8} ){60}")
+    try:
+        [reference] = run_requests(target.address, [greedy_request("Name some animals.", 300, speculate=False,
+                                                                   structured_outputs=constraint)])
+        results = []
+        worker = threading.Thread(target=lambda: results.extend(run_requests(
+            target.address, [greedy_request("Name some animals.", 300, structured_outputs=constraint)] * 2)))
+        worker.start()
+        time.sleep(0.5)
+        draft.kill()
+        _wait_connected(target, connected=False)
+        draft = ServiceProcess("draft_service", draft.args, port=draft.port, metrics_port=draft.metrics_port,
+                               log_path=draft.log_path).start().wait_healthy()
+        _wait_connected(target, connected=True)
+        before = _accepted(target)
+        worker.join(300)
+        assert [r.token_ids for r in results] == [reference.token_ids] * 2
+        assert reference.finish_reason == "stop" and re.fullmatch("([a-z]{1,8} ){60}", reference.text)
+        assert _accepted(target) > before, "the reopened constrained sequences were not drafted again"
+        assert metric(scrape(draft.metrics_url), "tandem_draft_invalid_updates_total", reason="bad_constraint") == 0
+    finally:
+        target.kill()
+        draft.kill()
