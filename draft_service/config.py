@@ -13,7 +13,7 @@ from tandem.registry import DEFAULT_DRAFT_MODEL
 from tandem.runtime import resolve_dtype
 from tandem.tls import ServerTls
 
-DRAFTER_KINDS = ("model", "ngram", "suffix", "suffix+model")
+DRAFTER_KINDS = ("model", "ngram", "suffix", "suffix+model", "eagle3")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -58,6 +58,8 @@ class DraftConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         self.server_tls()
+        if self.drafter == "eagle3" and not self.drafter_target:
+            raise ValueError("--drafter eagle3 needs --drafter-target: the target checkpoint whose features it reads")
         if self.ngram_min_n > self.ngram_max_n:
             raise ValueError(f"--ngram-min-n ({self.ngram_min_n}) must not exceed --ngram-max-n ({self.ngram_max_n})")
         try:
@@ -74,13 +76,15 @@ HELP = {
     "port": "gRPC port",
     "metrics_port": "port of the Prometheus /metrics endpoint; 0 turns it off",
     "drafter": "model (a small model drafts), ngram (prompt lookup, no model), suffix (suffix decoding over "
-               "the request and recent outputs, no model) or suffix+model (suffix where it is confident, "
-               "else the model)",
+               "the request and recent outputs, no model), suffix+model (suffix where it is confident, "
+               "else the model) or eagle3 (an EAGLE-3 head that reads the target's features: --model is its "
+               "folder, --drafter-target its target checkpoint)",
     "model": "embedded name (smollm2-135m-draft, the distilled drafter; smollm2-135m), a .gguf file, an HF "
              "folder, or a drafter file from python -m draft_service.distill; the ngram drafter loads only "
              "its tokenizer, to report the vocabulary",
     "drafter_target": "for a distilled drafter file: the target checkpoint whose embedding and head rows "
-                      "it uses (its fingerprint must match); empty: the target the file names",
+                      "it uses (its fingerprint must match); empty: the target the file names. For an EAGLE-3 "
+                      "head (required): the target whose features it reads",
     "device": "torch device of the draft model: cpu, cuda, cuda:1, ...",
     "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 for a distilled drafter file, on CUDA and on "
              "x86 CPUs the native decoder runs on, else float32)",

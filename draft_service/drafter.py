@@ -18,7 +18,9 @@ from tandem.structured import Constraint
 from tandem.v1 import drafter_pb2
 
 if TYPE_CHECKING:
+    from draft_service.features import SequenceFeatures
     from draft_service.grammars import SequenceGrammar
+    from tandem.hidden_states import FeatureLayout
 
 SeqKey = tuple[int, int]  # (stream id, sequence id): sequence ids are per Speculate stream
 
@@ -76,6 +78,7 @@ class DraftSequence:
     constraint: Constraint | None = None  # structured output: drafts must follow it from constrained_from on
     constrained_from: int = 0
     grammar: SequenceGrammar | None = None  # the constraint compiled (grammars.py); the drafter's thread only
+    features: SequenceFeatures | None = None  # the target's features, for a drafter that reads them
 
     @property
     def undraftable(self) -> bool:
@@ -167,6 +170,7 @@ class Drafter(Protocol):
 
     kind: str  # "model" or "ngram", as Info reports it
     probs_top_k: int  # K of the q' it sends, as Info reports it
+    feature_layout: FeatureLayout | None  # the target features it reads (Info's hidden_layers), or None
 
     def open(self, key: SeqKey) -> None:
         """Reserve per-sequence state (a KV slot)."""

@@ -44,6 +44,7 @@ class NgramDrafter:
 
     kind = "ngram"
     probs_top_k = 1
+    feature_layout = None  # it reads no target features
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n = min_n

@@ -29,10 +29,14 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
 from draft_service.drafter import Draft, Drafter, DraftJob, DraftSequence, Sampling, SeqKey, never
+from draft_service.features import SequenceFeatures
 from draft_service.grammars import DraftGrammars
 from draft_service.metrics import DraftMetrics
 from draft_service.predraft import Predrafter
+from tandem.hidden_states import FeatureError, extend_feature_rows
 from tandem.structured import Constraint, ConstraintError
 from tandem.v1 import drafter_pb2
 
@@ -180,6 +184,8 @@ class DraftScheduler:
         sequence = DraftSequence((stream.id, msg.seq_id), list(msg.prompt_ids), sampling, msg.k,
                                  accepts_assumed=msg.accepts_assumed, constraint=constraint,
                                  constrained_from=msg.constrained_from)
+        if self._drafter.feature_layout is not None:
+            sequence.features = SequenceFeatures(self._drafter.feature_layout)
         stream.sequences[msg.seq_id] = sequence
         self._predrafter.open(sequence)
         self._num_sequences += 1
@@ -232,11 +238,29 @@ class DraftScheduler:
             raise InvalidUpdate("bad_start", f"start={msg.start} is past the sequence's {len(sequence.tokens)} tokens")
         self._check_token_ids(msg.token_ids)
         token_ids = list(msg.token_ids)
-        if sequence.tokens[msg.start :] == token_ids:
-            return
-        self._predrafter.on_extend(sequence, msg.start, token_ids, time.perf_counter())
-        del sequence.tokens[msg.start :]
-        sequence.tokens.extend(token_ids)
+        if sequence.tokens[msg.start :] != token_ids:
+            self._predrafter.on_extend(sequence, msg.start, token_ids, time.perf_counter())
+            del sequence.tokens[msg.start :]
+            sequence.tokens.extend(token_ids)
+            if sequence.features is not None:
+                sequence.features.rollback(msg.start)
+            self._dirty[sequence.key] = sequence
+        if msg.hidden_states:
+            self._take_features(sequence, msg)
+
+    def _take_features(self, sequence: DraftSequence, msg: drafter_pb2.SequenceExtend) -> None:
+        """The Extend's feature rows into the sequence; the tokens stand even when they are refused."""
+        layout = self._drafter.feature_layout
+        if layout is None:
+            raise InvalidUpdate("bad_hidden_states", "this drafter reads no hidden states; its Info names no layers")
+        try:
+            rows = layout.decode(msg.hidden_states, extend_feature_rows(msg.start, len(msg.token_ids),
+                                                                        msg.hidden_start))
+        except FeatureError as err:
+            raise InvalidUpdate("bad_hidden_states", str(err)) from None
+        if not bool(torch.isfinite(rows).all()):
+            raise InvalidUpdate("bad_hidden_states", "hidden states hold NaN or infinity")
+        sequence.features.write(msg.hidden_start, rows)
         self._dirty[sequence.key] = sequence
 
     def _close(self, stream: Stream, msg: drafter_pb2.SequenceClose) -> None:

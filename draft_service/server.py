@@ -14,6 +14,7 @@ import grpc
 from draft_service.config import DraftConfig
 from draft_service.grammars import DraftGrammars
 from draft_service.drafter import Drafter
+from draft_service.eagle_drafter import Eagle3Drafter
 from draft_service.metrics import DraftMetrics
 from draft_service.model_drafter import ModelDrafter
 from draft_service.ngram_drafter import NgramDrafter
@@ -22,7 +23,7 @@ from draft_service.suffix_index import SuffixParams
 from draft_service.scheduler import DraftScheduler, Limits, Stream
 from tandem.config import ModelConfig
 from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
-from tandem.runtime import load_model, load_tokenizer, tokenizer_path
+from tandem.runtime import load_eagle3_head, load_model, load_tokenizer, tokenizer_path
 from tandem.structured import GrammarCompiler, GrammarLimits
 from tandem.tokenizer import Tokenizer
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
@@ -45,7 +46,12 @@ def load_drafter(config: DraftConfig) -> LoadedDrafter:
     began = time.perf_counter()
     metrics = DraftMetrics(config.model)
     drafter: Drafter
-    if config.drafter in ("model", "suffix+model"):
+    if config.drafter == "eagle3":
+        head = load_eagle3_head(config.model, config.drafter_target, dtype=config.dtype, device=config.device,
+                                num_slots=config.num_slots, max_model_len=config.max_model_len)
+        drafter = Eagle3Drafter(head.model, config.probs_top_k, metrics, guesses=config.predraft_guesses)
+        vocab_size, tokenizer = head.model.config.vocab_size, head.tokenizer
+    elif config.drafter in ("model", "suffix+model"):
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, num_slots=config.num_slots,
                             max_model_len=config.max_model_len, drafter_target=config.drafter_target)
         drafter = ModelDrafter(loaded.model, config.probs_top_k, metrics, loaded.draft_vocab,
@@ -63,6 +69,9 @@ def load_drafter(config: DraftConfig) -> LoadedDrafter:
     info = drafter_pb2.DrafterInfo(model=config.model, vocab_size=vocab_size,
                                    tokenizer_fingerprint=tokenizer.fingerprint, max_k=config.max_k,
                                    kind=drafter.kind, probs_top_k=drafter.probs_top_k)
+    if drafter.feature_layout is not None:
+        info.hidden_layers.extend(drafter.feature_layout.layers)
+        info.target_hidden_size = drafter.feature_layout.hidden_size
     log.info("loaded the %s drafter for %s (vocabulary %d) in %.1f s",
              drafter.kind, config.model, vocab_size, time.perf_counter() - began)
     grammars = DraftGrammars(GrammarCompiler(tokenizer, vocab_size, GrammarLimits(cache_size=config.grammar_cache_size)))
@@ -122,7 +131,7 @@ async def serve(config: DraftConfig) -> None:
                     max_k=config.max_k, num_slots=config.num_slots,
                     max_seqs_per_target=config.max_seqs_per_target)
     # Only a model has a distribution to guess recovered tokens from; the lookup drafters guess none.
-    guesses = config.predraft_guesses if config.drafter in ("model", "suffix+model") else 1
+    guesses = config.predraft_guesses if config.drafter in ("model", "suffix+model", "eagle3") else 1
     scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits, delay_s=config.delay_ms / 1000,
                                max_fanout=config.max_fanout, guesses=guesses, grammars=loaded.grammars)
     servicer = DrafterServicer(loaded.info, scheduler)

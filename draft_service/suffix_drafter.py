@@ -34,6 +34,7 @@ class SuffixDrafter:
 
     kind = "suffix"
     probs_top_k = 1
+    feature_layout = None  # it reads no target features
 
     def __init__(self, params: SuffixParams = SuffixParams(), cache_tokens: int = 200_000):
         """cache_tokens: finished outputs kept for other requests to draft from (oldest dropped first)."""
@@ -114,6 +115,7 @@ class SuffixFrontDrafter:
     instead: the copy has left what the grammar allows, and the model drafts under its mask."""
 
     kind = "suffix+model"
+    feature_layout = None  # it reads no target features
 
     def __init__(self, suffix: SuffixDrafter, model: ModelDrafter, confidence: float):
         self.suffix = suffix

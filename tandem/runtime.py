@@ -1,6 +1,7 @@
 """Loading a model for serving: checkpoint, tokenizer and KV cache, by name or path."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -8,8 +9,11 @@ import torch
 
 from tandem.config import ModelConfig
 from tandem.loaders import CheckpointError, load_checkpoint
+from tandem.loaders.drafter_file import weights_fingerprint
 from tandem.loaders.drafter_file import assemble_drafter, drafter_target as recorded_target, is_drafter_file, read_drafter_file
+from tandem.loaders.eagle3 import is_eagle3_folder, load_eagle3
 from tandem.model import native
+from tandem.model.eagle3 import Eagle3Model
 from tandem.model.llama import LlamaModel, build_model
 from tandem.registry import resolve_model_path
 from tandem.tokenizer import Tokenizer
@@ -77,6 +81,39 @@ def load_model(
                         num_slots=num_slots, max_model_len=max_model_len)
     return LoadedModel(name=name_or_path, path=path, config=config, model=model, tokenizer=tokenizer,
                        draft_vocab=draft_vocab)
+
+
+@dataclass(slots=True)
+class LoadedHead:
+    """An EAGLE-3 draft head on its target's tokenizer (and embedding, where the head has none)."""
+
+    path: Path
+    target_path: Path
+    model: Eagle3Model
+    tokenizer: Tokenizer
+
+
+def load_eagle3_head(folder: str, target: str, *, dtype: str | torch.dtype | None = None,
+                     device: str | torch.device = "cpu", num_slots: int = 8, max_model_len: int = 2048) -> LoadedHead:
+    """An EAGLE-3 head folder for the target checkpoint it drafts for (required: the head reads its
+    features, and may share its embedding). auto dtype: bf16 on CUDA, fp32 on CPU (PyTorch runs the head)."""
+    if not target:
+        raise CheckpointError("an EAGLE-3 head needs its target checkpoint: pass --drafter-target")
+    path, target_path = resolve_model_path(folder), resolve_model_path(target)
+    if not is_eagle3_folder(path):
+        raise CheckpointError(f"{path} is not an EAGLE-3 head folder (config.json with draft_vocab_size)")
+    target_config, target_weights = load_checkpoint(target_path)
+    trained_for = json.loads((path / "config.json").read_text()).get("tandem", {}).get("target_fingerprint")
+    if trained_for and trained_for != weights_fingerprint(target_weights):
+        raise CheckpointError(f"this EAGLE-3 head was trained by distill for another target (embedding "
+                              f"fingerprint {trained_for[:16]}...): pass the target it was trained for")
+    config, weights = load_eagle3(path, target_config, target_weights)
+    device = torch.device(device)
+    if dtype in (None, "auto"):
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = Eagle3Model(config, weights, dtype=resolve_dtype(dtype, device), device=device, num_slots=num_slots,
+                        max_model_len=max_model_len)
+    return LoadedHead(path, target_path, model, load_tokenizer(target_path))
 
 
 def tokenizer_path(name_or_path: str, drafter_target: str = "") -> Path:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import torch
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -55,6 +57,9 @@ class DrafterState:
     told_at: float | None = None  # when it was last told, for the draft round trip
     answered_len: int = 0  # the last prefix length the drafter answered, with drafts or none
     held: list[HeldProposal] = field(default_factory=list)  # oldest first
+    # Feature rows not yet sent, for a drafter that reads them: contiguous from position features_from.
+    features: list[torch.Tensor] = field(default_factory=list)
+    features_from: int = 0
 
     def keep(self, proposal: Proposal) -> None:
         self.held.append(HeldProposal(proposal))
@@ -91,9 +96,28 @@ class DrafterState:
         return Evicted(stale, predrafts)
 
     def forget(self) -> None:
-        """A new stream: nothing was told or proposed on it yet."""
+        """A new stream: nothing was told or proposed on it yet, and the features held are not sent."""
         self.told_len = 0
         self.held.clear()
+        self.features.clear()
+
+    def keep_features(self, first: int, rows: torch.Tensor) -> None:
+        """Feature rows [R, layers, hidden] of positions first.. for the next Extend; a row that would
+        leave a gap drops the ones held (the drafter is told where the rows start)."""
+        held_end = self.features_from + sum(len(r) for r in self.features)
+        if not self.features or first != held_end:
+            self.features.clear()
+            self.features_from = first
+        self.features.append(rows)
+
+    def take_features(self, end: int) -> tuple[int, torch.Tensor | None]:
+        """The held rows of positions features_from .. end - 1, with the first one's position; None when
+        they do not reach end - 1 (a step ran without capturing): the Extend then carries none."""
+        rows = torch.cat(self.features)[: end - self.features_from] if self.features else None
+        self.features.clear()
+        if rows is None or self.features_from + len(rows) != end or not len(rows):
+            return 0, None
+        return self.features_from, rows
 
 
 class DraftTracker:
@@ -112,6 +136,12 @@ class DraftTracker:
     @property
     def connected(self) -> bool:
         return self.link is not None and self.link.connected
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose features the connected drafter reads; empty for most drafters."""
+        layout = self.link.feature_layout if self.connected else None
+        return layout.layers if layout is not None else ()
 
     # ---- the engine's verbs -----------------------------------------------------------------
 
@@ -162,10 +192,24 @@ class DraftTracker:
         for seq in [s for s in seqs if s.finish is None]:
             state = self._states[seq.seq_id]
             if state.told_len and len(seq.token_ids) > state.told_len:
-                extends.append(extend_message(seq, state.told_len))
+                message = extend_message(seq, state.told_len)
+                first, rows = state.take_features(len(seq.token_ids) - 1)
+                if rows is not None:
+                    message.hidden_start = first
+                    message.hidden_states = self.link.feature_layout.encode(rows)
+                    self.metrics.hidden_state_bytes.inc(len(message.hidden_states))
+                extends.append(message)
                 state.told_len, state.told_at = len(seq.token_ids), now
                 owed |= not state.covers_committed()
         self._send(extends=extends, answer_owed=owed)
+
+    def keep_features(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
+        """A step's features of seq's positions first.. (rows [R, layers, hidden]); the committed ones
+        go with its next Extend."""
+        state = self._states.get(seq.seq_id)
+        end = len(seq.token_ids) - 1  # the last committed token has no feature yet
+        if state is not None and state.told_len and end > first:
+            state.keep_features(first, rows[: end - first])
 
     def release(self, seq: Sequence) -> None:
         """Forget the sequence, and close it on the drafter if this stream opened it."""

@@ -22,6 +22,7 @@ from target_service.draft_tracker import DraftTracker
 from target_service.drafter_addresses import Candidate, DrafterAddresses
 from target_service.metrics import TargetMetrics
 from tandem.grpc_server import channel_options
+from tandem.hidden_states import FeatureError, FeatureLayout
 from tandem.tls import ClientTls
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -43,7 +44,9 @@ class DrafterStalled(Exception):
 class DrafterLink:
     def __init__(self, drafters: str | DrafterAddresses, tracker: DraftTracker, metrics: TargetMetrics, *,
                  vocab_size: int, tokenizer_fingerprint: str, reconnect_max_seconds: float, max_message_bytes: int,
-                 tls: ClientTls | None = None, max_pending_updates: int = MAX_PENDING_UPDATES):
+                 tls: ClientTls | None = None, max_pending_updates: int = MAX_PENDING_UPDATES,
+                 num_layers: int = 0, hidden_size: int = 0):
+        """num_layers, hidden_size: the target's, which a drafter that reads features must fit."""
         self.drafters = drafters if isinstance(drafters, DrafterAddresses) else DrafterAddresses.parse(drafters)
         self.address = ""  # the drafter tried or connected last
         self.tracker = tracker  # hears every proposal, and reopens the running sequences on each connect
@@ -54,6 +57,9 @@ class DrafterLink:
         self.max_message_bytes = max_message_bytes
         self.tls = tls
         self.max_pending_updates = max_pending_updates
+        self.num_layers = num_layers
+        self.hidden_size = hidden_size
+        self.feature_layout: FeatureLayout | None = None  # the connected drafter's, when it reads features
         self._call: grpc.aio.StreamStreamCall | None = None
         self._stalled = False
         self._went_up = False  # whether the current attempt connected
@@ -136,6 +142,8 @@ class DrafterLink:
             info = await stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=5.0)
             self._check(info)
             self.info = info
+            self.feature_layout = (FeatureLayout(tuple(info.hidden_layers), info.target_hidden_size)
+                                   if info.hidden_layers else None)
             self._queue = asyncio.Queue()
             self._stalled = False
             self._set_connected(True)
@@ -175,6 +183,14 @@ class DrafterLink:
             raise IncompatibleDrafter("its tokenizer fingerprint differs from the target's")
         if info.max_k < 1:
             raise IncompatibleDrafter(f"max_k {info.max_k} must be at least 1")
+        if info.hidden_layers:
+            if info.target_hidden_size != self.hidden_size:
+                raise IncompatibleDrafter(f"it reads features of hidden size {info.target_hidden_size}; "
+                                          f"the target's is {self.hidden_size}")
+            try:
+                FeatureLayout(tuple(info.hidden_layers), info.target_hidden_size).check_layers(self.num_layers)
+            except FeatureError as err:
+                raise IncompatibleDrafter(str(err)) from None
 
     def _set_connected(self, connected: bool) -> None:
         self.connected = connected

@@ -154,8 +154,8 @@ class Engine:
             return
         admitted = self._admit()
         if admitted:
-            tokens = await self._run_prefill(admitted)
-            await self._publish(admitted, self._commit(admitted, [Verified([token], 0) for token in tokens]))
+            results = await self._run_prefill(admitted)
+            await self._publish(admitted, self._commit(admitted, results, first_positions=[0] * len(admitted)))
         decoding = [s for s in self.running if s.finish is None and s not in admitted]
         if decoding:
             plan = await self._schedule(decoding)
@@ -177,14 +177,14 @@ class Engine:
         self.metrics.running.set(len(self.running))
         return admitted
 
-    async def _run_prefill(self, admitted: list[Sequence]) -> list[int]:
+    async def _run_prefill(self, admitted: list[Sequence]) -> list[Verified]:
         items = [PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, options=s.options, grammar=s.grammar)
                  for s in admitted]
         started = time.perf_counter()
-        tokens = await self._in_executor(self.runner.prefill, items)
+        results = await self._in_executor(self.runner.prefill, items, self.tracker.feature_layers)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in admitted))
-        return tokens
+        return results
 
     async def _schedule(self, decoding: list[Sequence]) -> DraftPlan:
         """Each sequence's drafts: matched, waited for where missing (bounded), cut to the step's budget."""
@@ -219,7 +219,7 @@ class Engine:
     async def _run_verify(self, plan: DraftPlan) -> list[Verified]:
         kind = "verify" if any(plan.available) else "decode"
         started = time.perf_counter()
-        results = await self._in_executor(self.runner.verify, plan.verify_items())
+        results = await self._in_executor(self.runner.verify, plan.verify_items(), self.tracker.feature_layers)
         elapsed = time.perf_counter() - started
         if elapsed < self.config.min_step_ms / 1000:  # a test's stand-in for a larger model
             await asyncio.sleep(self.config.min_step_ms / 1000 - elapsed)
@@ -228,26 +228,32 @@ class Engine:
         self.policy.observe_step(plan.num_tokens, elapsed)
         return results
 
-    async def _in_executor(self, fn, items):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, items)
+    async def _in_executor(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # ---- committing and publishing ----------------------------------------------------------
 
-    def _commit(self, seqs: list[Sequence], results: list[Verified]) -> list[Output]:
-        """Append a step's tokens to each sequence, up to a stop or its budget, which ends it."""
+    def _commit(self, seqs: list[Sequence], results: list[Verified], first_positions: list[int]) -> list[Output]:
+        """Append a step's tokens to each sequence, up to a stop or its budget, which ends it.
+
+        first_positions: the position of each result's first feature row, when the step captured features.
+        """
         outputs = []
-        for seq, result in zip(seqs, results):
+        for seq, result, first in zip(seqs, results, first_positions):
             output, finish = seq.commit(result.tokens, result.num_accepted, self.kv_cache.max_len)
             outputs.append(output)
             if finish is not None:
                 self._finish(seq, finish)
+            elif result.features is not None:
+                self.tracker.keep_features(seq, first, result.features)
         return outputs
 
     def _commit_verified(self, plan: DraftPlan, results: list[Verified]) -> tuple[list[Sequence], list[Output]]:
         """Commit the sequences still live after the forward pass, and account for their drafts."""
         live = [(entry, result) for entry, result in zip(plan.entries, results) if entry.seq.finish is None]
         seqs = [entry.seq for entry, _ in live]
-        outputs = self._commit(seqs, [result for _, result in live])
+        committed_before = [len(seq.token_ids) for seq in seqs]
+        outputs = self._commit(seqs, [result for _, result in live], [n - 1 for n in committed_before])
         for (entry, result), output in zip(live, outputs):
             self._account(entry, result, output)
         return seqs, outputs

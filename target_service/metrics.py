@@ -66,6 +66,8 @@ class TargetMetrics:
             "tandem_grammar_mask_seconds", "Computing a step's token bitmasks (steps with constrained sequences).",
             buckets=MASK_BUCKETS)
         self.draft_wire_bytes = counter("tandem_draft_wire_bytes", "Bytes of proposals received from the drafter.")
+        self.hidden_state_bytes = counter(
+            "tandem_hidden_state_bytes", "Bytes of target features sent to a drafter that reads them (EAGLE-3 style).")
         self.running = gauge("tandem_num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("tandem_num_requests_waiting", "Requests waiting for admission.")
         self.drafter_connected = gauge("tandem_drafter_connected", "1 while a compatible drafter is connected.")

@@ -110,7 +110,8 @@ async def serve(config: TargetConfig) -> None:
             config.drafter, engine.tracker, metrics, vocab_size=loaded.config.vocab_size,
             tokenizer_fingerprint=loaded.tokenizer.fingerprint,
             reconnect_max_seconds=config.reconnect_max_seconds, max_message_bytes=config.max_message_bytes,
-            tls=config.drafter_link_tls(),
+            tls=config.drafter_link_tls(), num_layers=loaded.config.num_layers,
+            hidden_size=loaded.config.hidden_size,
         )
         engine.tracker.link = link
         link.start()

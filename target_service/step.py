@@ -58,6 +58,9 @@ class VerifyItem:
 class Verified:
     tokens: list[int]  # accepted drafts, then the recovered or bonus token
     num_accepted: int
+    # With capture layers: the target's features at the chunk's positions, bf16 [rows, layers, hidden]
+    # (a prefill's prompt positions; a verify's n-1 .. n-1+k, of which the committed ones are sent).
+    features: torch.Tensor | None = None
 
 
 class StepRunner:
@@ -81,10 +84,11 @@ class StepRunner:
             self.model.kv_cache.free(slot)
 
     @torch.inference_mode()
-    def prefill(self, items: list[PrefillItem]) -> list[int]:
+    def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = ()) -> list[Verified]:
+        """Each item's first token; capture: also the features of these target layers (Verified.features)."""
         chunks = [SequenceChunk(slot=i.slot, start=0, token_ids=i.prompt_ids) for i in items]
         masks = self._start_masks([(i.grammar, ()) for i in items])
-        logits = self.model.run(chunks)  # [B, vocab]
+        logits, features = self._forward(chunks, capture)  # [B, vocab]
         self._apply_masks(logits, masks)
         tokens = [0] * len(items)
         greedy = [b for b, i in enumerate(items) if i.options.greedy]
@@ -97,10 +101,10 @@ class StepRunner:
             positions = self._long([len(items[b].prompt_ids) for b in sampled])
             for b, token in zip(sampled, sample(probs, self._seeds(options), positions).tolist()):
                 tokens[b] = token
-        return tokens
+        return [Verified([token], 0, rows) for token, rows in zip(tokens, features)]
 
     @torch.inference_mode()
-    def verify(self, items: list[VerifyItem]) -> list[Verified]:
+    def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:
         chunks = [
             SequenceChunk(
                 slot=i.slot,
@@ -111,7 +115,7 @@ class StepRunner:
             for i in items
         ]
         masks = self._start_masks([(i.grammar, i.drafts.tokens if i.drafts else ()) for i in items])
-        logits = self.model.run(chunks)  # [sum(k_i + 1), vocab]
+        logits, features = self._forward(chunks, capture)  # [sum(k_i + 1), vocab]
         self._apply_masks(logits, masks)
         results: list[Verified | None] = [None] * len(items)
         greedy = [b for b, i in enumerate(items) if i.options.greedy]
@@ -129,7 +133,20 @@ class StepRunner:
                                                          range(items[b].num_drafts + 1)])
                 for b, verified in zip(group, verify([items[b] for b in group], probs)):
                     results[b] = verified
+        if capture:
+            results = [Verified(r.tokens, r.num_accepted, rows) for r, rows in zip(results, features)]
         return results
+
+    def _forward(self, chunks: list[SequenceChunk], capture: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Logits at the chunks' logits rows, and per chunk its features [len, layers, hidden] bf16
+        when capture names layers (else Nones)."""
+        batch = self.model.build_batch(chunks)
+        if not capture:
+            return self.model.forward(batch), [None] * len(chunks)
+        logits, features = self.model.forward_capturing(batch, capture)  # features [T, layers, hidden]
+        per_chunk = features.to(torch.bfloat16).split([len(c.token_ids) for c in chunks])
+        return logits, list(per_chunk)
 
     def _start_masks(self, rows: list[tuple[Matcher | None, tuple[int, ...]]]) -> tuple[Future, list[int]] | None:
         """Start computing the bitmasks of the constrained items, each (grammar, drafts) owning

@@ -142,3 +142,67 @@ def test_the_teacher_cache_grows_by_the_sequences_it_lacks(tiny, caplog):
     shipped = read_drafter_file(tiny / "g.safetensors").draft_vocab
     assert shipped.tolist() == draft_vocabulary(train_set, 8, VOCAB).tolist()
     assert grown_run["held_out_shipped"]["coverage"] < grown_run["held_out_after"]["coverage"]
+
+
+# ---- the EAGLE-3 head ----------------------------------------------------------------------------
+
+def _distill_eagle(tiny: Path, out: str, ttt_steps: int = 3) -> dict:
+    config = DistillConfig(kind="eagle3", target=str(tiny / "target"), out=str(tiny / out), num_prompts=24,
+                           max_new_tokens=16, generation_batch=8, draft_vocab=20, steps=60, lr=3e-3,
+                           eval_every=1000, held_out=0.25, seed=0, device="cpu", feature_layers="0,1",
+                           ttt_steps=ttt_steps, ttt_from=0.5, teacher_data=str(tiny / "eagle-teacher.pt"))
+    return run(config)
+
+
+def test_the_trained_heads_math_is_the_serving_heads_at_every_unrolled_step(tiny):
+    from draft_service.distill.eagle import EagleStudent, make_eagle_batch, teacher_features
+    from tandem.model.eagle3 import Eagle3Model
+    from tandem.model.llama import build_model
+
+    config, weights = load_checkpoint(tiny / "target")
+    vocab = torch.tensor([0, 2, 3, 5, 8, 13, 21, 31])
+    student = EagleStudent(config, weights.layers[-1], weights.norm, weights.embed, weights.lm_head[vocab], vocab,
+                           (0, 1), rope_inv_freq(config), max_len=64, device=torch.device("cpu"), seed=3)
+    with torch.no_grad():  # training moves every part off its start, so that the check covers them all
+        for p in student.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    tokens = [3, 17, 9, 25, 4, 4, 30, 1, 2, 7]
+    sequence = TeacherSequence(tokens, 2, torch.zeros(len(tokens) - 1, config.hidden_size))
+    target = build_model(config, weights, dtype=torch.float32, device=torch.device("cpu"), num_slots=1,
+                         max_model_len=64)
+    [features] = teacher_features(target, [sequence], (0, 1))
+    with torch.no_grad():
+        steps = [(h @ student.head.T)[0] for h in student.unrolled(make_eagle_batch([sequence], [features],
+                                                                                    torch.device("cpu")), 3)]
+    head = Eagle3Model(*student.export(config.hidden_size), dtype=torch.float32, device="cpu", num_slots=2,
+                       max_model_len=64)
+    head.load_features(0, 0, features)
+    torch.testing.assert_close(head.run([SequenceChunk(0, 0, tokens[:-1], num_logits=9)]), steps[0],
+                               rtol=1e-4, atol=1e-4)
+    committed = 6  # tokens 0..5 committed, the target has read 0..4; then tokens 6, 7 fed as drafts
+    serving = Eagle3Model(*student.export(config.hidden_size), dtype=torch.float32, device="cpu", num_slots=2,
+                          max_model_len=64)
+    serving.load_features(1, 0, features[: committed - 1])
+    serving.run([SequenceChunk(1, 0, tokens[:committed])])
+    for depth in (1, 2):
+        position = committed + depth - 1
+        got = serving.run([SequenceChunk(1, position, [tokens[position]])])[0]
+        torch.testing.assert_close(got, steps[depth][position], rtol=1e-4, atol=1e-4)
+
+
+def test_eagle_distillation_repeats_raises_agreement_and_loads_only_on_its_target(tiny):
+    from tandem.loaders.eagle3 import load_eagle3
+    from tandem.runtime import load_eagle3_head
+
+    first = _distill_eagle(tiny, "eagle-a")
+    second = _distill_eagle(tiny, "eagle-b")
+    assert first["held_out_after"] == second["held_out_after"]
+    before, after = first["held_out_before"], first["held_out_after"]
+    assert after["depth_agreement"][0] > before["depth_agreement"][0] + 0.05
+    assert after["mean_accepted_length"] > before["mean_accepted_length"]
+    config, weights = load_checkpoint(tiny / "target")
+    head_config, _ = load_eagle3(tiny / "eagle-a", config, weights)
+    assert head_config.feature_layers == (0, 1) and head_config.draft_vocab_size == 20
+    assert load_eagle3_head(str(tiny / "eagle-a"), str(tiny / "target"), max_model_len=64).model.eagle == head_config
+    with pytest.raises(CheckpointError, match="another target"):
+        load_eagle3_head(str(tiny / "eagle-a"), str(tiny / "other"), max_model_len=64)

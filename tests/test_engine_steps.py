@@ -64,12 +64,12 @@ class ScriptedRunner:
         self.verified: list[list[VerifyItem]] = []  # the items of every verify call
         self.prompts: dict[int, tuple[int, ...]] = {}  # slot -> the prompt last prefilled into it
 
-    def prefill(self, items: list[PrefillItem]) -> list[int]:
+    def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = ()) -> list[Verified]:
         self.events.append("prefill")
         self.prompts.update((item.slot, tuple(item.prompt_ids)) for item in items)
-        return [CONTINUATIONS[tuple(item.prompt_ids)][0] for item in items]
+        return [Verified([CONTINUATIONS[tuple(item.prompt_ids)][0]], 0) for item in items]
 
-    def verify(self, items: list[VerifyItem]) -> list[Verified]:
+    def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:
         self.verified.append(items)
         return [self._verify(item) for item in items]
 
@@ -89,6 +89,7 @@ class FakeLink:
     max_k: int = MAX_K
     probs_top_k: int = 4
     connected: bool = True
+    feature_layout: None = None  # a drafter that reads no target features
     updates: list[drafter_pb2.TargetUpdate] = field(default_factory=list)
 
     def send(self, update: drafter_pb2.TargetUpdate) -> None:

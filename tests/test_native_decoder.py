@@ -168,3 +168,31 @@ def test_argmax_is_torch_argmax_ties_and_nan_included(isa):
     assert isa.argmax(rows) == rows.argmax(dim=1).tolist()
     wide = torch.randn(3, 49152, generator=gen)
     assert isa.argmax(wide[:, :49151]) == wide[:, :49151].argmax(dim=1).tolist()
+
+
+@pytest.mark.parametrize("name", ["tiny", "d64-gqa3"])
+def test_captured_layer_inputs_match_the_pytorch_decoder(isa, name):
+    """The features an EAGLE-style drafter reads: the residual stream entering chosen layers, at every
+    token of mixed batches, fp32 in both decoders; capturing leaves the logits as they were."""
+    reference, ours = _models(name, torch.float32)
+    plain, _ = _models(name, torch.float32)
+    layers = (0, 1)
+    for chunks in _scenario(CONFIGS[name]):
+        want_logits, want = reference.forward_capturing(reference.build_batch(chunks), layers)
+        got_logits, got = ours.forward_capturing(ours.build_batch(chunks), layers)
+        assert got.shape == (sum(len(c.token_ids) for c in chunks), 2, CONFIGS[name].hidden_size)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(got_logits, want_logits, atol=2e-4, rtol=1e-4)
+        assert torch.equal(want_logits, plain.run(chunks))
+    first = _scenario(CONFIGS[name])[0]
+    embedded = F.embedding(torch.tensor(first[0].token_ids), random_weights(CONFIGS[name], seed=11).embed)
+    _, fresh = _models(name, torch.float32)
+    torch.testing.assert_close(fresh.forward_capturing(fresh.build_batch(first), (0,))[1][:, 0], embedded)
+
+
+def test_capture_layers_are_checked():
+    _, model = _models("tiny", torch.float32)
+    batch = model.build_batch([SequenceChunk(0, 0, [1, 2, 3])])
+    for layers in ((), (1, 0), (0, 0), (0, CONFIGS["tiny"].num_layers)):
+        with pytest.raises(ValueError, match="capture layers"):
+            model.forward_capturing(batch, layers)

@@ -82,7 +82,8 @@ def test_greedy_and_sampled_rows_in_one_step_equal_each_alone(runner):
 def test_prefill_mixes_greedy_and_sampled_requests(runner):
     prompts = [list(range(3, 15)), list(range(30, 41))]
     options = [_options(0.0), _options(1.0, seed=11)]
-    together = runner.prefill([PrefillItem(s, p, o) for s, (p, o) in enumerate(zip(prompts, options))])
-    alone = [runner.prefill([PrefillItem(2, p, o)])[0] for p, o in zip(prompts, options)]
+    together = [r.tokens[0] for r in runner.prefill([PrefillItem(s, p, o) for s, (p, o) in
+                                                     enumerate(zip(prompts, options))])]
+    alone = [runner.prefill([PrefillItem(2, p, o)])[0].tokens[0] for p, o in zip(prompts, options)]
     assert together == alone
     assert together[0] == runner.model.greedy_tokens(runner.model.run([SequenceChunk(3, 0, prompts[0])]))[0]

@@ -246,9 +246,11 @@ def test_constrained_requests_survive_a_drafter_restart_and_speculate_again(tmp_
     """The drafter dies mid-generation and comes back: the target reopens the running sequences with
     their constraint and constrained_from (the prompt's end, before the tokens committed so far), and
     the new drafter drafts them under the grammar. Output equals the target alone's throughout."""
+    # The requests must outlast the drafter's restart, which takes 5 s on a slow machine: 150 words at
+    # 80 ms a step, and a backoff capped low, so that the target finds the new drafter at once.
     draft, target = _pair(tmp_path_factory, "constrained-restart", ["--drafter", "ngram"],
-                          ["--min-step-ms", "80"])
-    constraint = structured_pb2.StructuredOutputs(regex="([a-z]{1,8} ){60}")
+                          ["--min-step-ms", "80", "--reconnect-max-seconds", "0.3"])
+    constraint = structured_pb2.StructuredOutputs(regex="([a-z]{1,8} ){150}")
     try:
         [reference] = run_requests(target.address, [greedy_request("Name some animals.", 300, speculate=False,
                                                                    structured_outputs=constraint)])
@@ -265,7 +267,7 @@ def test_constrained_requests_survive_a_drafter_restart_and_speculate_again(tmp_
         before = _accepted(target)
         worker.join(300)
         assert [r.token_ids for r in results] == [reference.token_ids] * 2
-        assert reference.finish_reason == "stop" and re.fullmatch("([a-z]{1,8} ){60}", reference.text)
+        assert reference.finish_reason == "stop" and re.fullmatch("([a-z]{1,8} ){150}", reference.text)
         assert _accepted(target) > before, "the reopened constrained sequences were not drafted again"
         assert metric(scrape(draft.metrics_url), "tandem_draft_invalid_updates_total", reason="bad_constraint") == 0
     finally:

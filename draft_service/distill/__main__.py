@@ -1,8 +1,10 @@
-"""`python -m draft_service.distill`: train a small drafter for a target and save it as a drafter file.
+"""`python -m draft_service.distill`: train a small drafter for a target and save it.
 
-Teacher data comes from our own runtime; the student starts from the target's first layers and
-learns KL(teacher || student) over a reduced draft vocabulary. The same flags and seed give the
-same file.
+Teacher data comes from our own runtime. `--kind model`: the student starts from the target's
+first layers and learns KL(teacher || student) over a reduced draft vocabulary; it is saved as a
+drafter file. `--kind eagle3`: an EAGLE-3 head that reads the target's features, trained with
+training-time test (distill/eagle.py), saved as an EAGLE-3 folder. The same flags and seed give
+the same weights.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from draft_service.distill.eagle_run import run_eagle
 from draft_service.distill.prompts import PROMPT_SET_SIZE, distill_prompts
 from draft_service.distill.student import Student
 from draft_service.distill.teacher import (EntryKey, TeacherSequence, encode_prompts, generate_completions,
@@ -37,8 +40,12 @@ from tandem.tokenizer import Tokenizer
 log = logging.getLogger("draft_service.distill")
 
 
+KINDS = ("model", "eagle3")
+
+
 @dataclass(slots=True)
 class DistillConfig:
+    kind: str = "model"  # one of KINDS
     target: str = DEFAULT_MODEL
     out: str = "drafter.safetensors"
     teacher_data: str = ""  # a cache file of the teacher data; empty: none
@@ -58,8 +65,15 @@ class DistillConfig:
     seed: int = 0
     device: str = "auto"
     threads: int = 0  # 0: torch's default
+    feature_layers: str = "default"  # eagle3: target layers, comma-separated; default: EAGLE-3's three
+    ttt_steps: int = 4  # eagle3: unrolled steps of training-time test (1: none)
+    ttt_from: float = 0.3  # eagle3: the fraction of training before unrolling starts (warm-up on step 0)
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.ttt_steps < 1 or not 0 <= self.ttt_from < 1:
+            raise ValueError("--ttt-steps must be at least 1 and --ttt-from in [0, 1)")
         for name in ("num_prompts", "samples_per_prompt", "max_new_tokens", "generation_batch", "layers",
                      "draft_vocab", "steps", "batch_size", "eval_every"):
             if getattr(self, name) < 1:
@@ -78,8 +92,13 @@ class DistillConfig:
 
 
 HELP = {
+    "kind": "model (a token-only drafter file) or eagle3 (an EAGLE-3 head folder that reads the target's features)",
+    "feature_layers": "eagle3: the target layers whose input the head reads, comma-separated (e.g. 27 for the "
+                      "last-layer feature alone); default: layers 2, L/2 and L-3",
+    "ttt_steps": "eagle3: training-time test, how many steps the head is unrolled on its own predictions; 1: none",
+    "ttt_from": "eagle3: the fraction of the steps trained on step 0 alone before unrolling starts",
     "target": "the teacher: embedded model name or a .gguf/HF path; the drafter serves this target",
-    "out": "where to write the drafter file (safetensors)",
+    "out": "where to write the drafter file (safetensors), or the EAGLE-3 folder",
     "teacher_data": "cache of the teacher data, refused when made with another target, seed, temperature or "
                     "max-new-tokens; sequences it lacks are generated and added; empty: no cache",
     "num_prompts": f"prompts the teacher answers (the set holds {PROMPT_SET_SIZE})",
@@ -115,6 +134,8 @@ def run(config: DistillConfig) -> dict:
     data_seconds = time.perf_counter() - began
     train_set, held_out = split_held_out(sequences, config.held_out, config.seed)
     vocab = draft_vocabulary(train_set, config.draft_vocab, target_config.vocab_size)
+    if config.kind == "eagle3":
+        return run_eagle(config, target_config, weights, sequences, vocab, began, data_seconds)
     student = Student(target_config, weights.layers[: config.layers], weights.norm, weights.embed,
                       weights.lm_head[vocab], _inv_freq(weights, target_config), max_len=2048, device=device)
     before = evaluate(student, held_out, weights.lm_head, vocab)

@@ -91,23 +91,33 @@ def distill_loss(student: Student, batch: Batch) -> torch.Tensor:
 def train(student: Student, sequences: list[TeacherSequence], options: TrainOptions,
           on_step: Callable[[int, float], None] = lambda step, loss: None) -> None:
     """AdamW with a one-cycle schedule; batches drawn by a seeded generator, so runs repeat exactly."""
-    torch.manual_seed(options.seed)
-    generator = torch.Generator().manual_seed(options.seed)
-    optimizer = torch.optim.AdamW(student.trainable(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=options.lr, total_steps=options.steps,
-                                                   pct_start=options.warmup_fraction)
     device = student.embed.device
     student.train()
+    optimize(student.trainable(), len(sequences), options,
+             lambda step, picks: distill_loss(student, make_batch([sequences[i] for i in picks], device)), on_step)
+    student.eval()
+
+
+def optimize(params: list[torch.nn.Parameter], num_sequences: int, options: TrainOptions,
+             batch_loss: Callable[[int, list[int]], torch.Tensor],
+             on_step: Callable[[int, float], None]) -> None:
+    """The loop both drafter kinds train with: each step draws batch_size sequence indices from a
+    generator seeded with options.seed, takes batch_loss(step, picks), clips and steps AdamW under a
+    one-cycle schedule. The same seed gives the same run."""
+    torch.manual_seed(options.seed)
+    generator = torch.Generator().manual_seed(options.seed)
+    optimizer = torch.optim.AdamW(params, lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=options.lr, total_steps=options.steps,
+                                                   pct_start=options.warmup_fraction)
     for step in range(options.steps):
-        picks = torch.randint(len(sequences), (options.batch_size,), generator=generator).tolist()
-        loss = distill_loss(student, make_batch([sequences[i] for i in picks], device))
+        picks = torch.randint(num_sequences, (options.batch_size,), generator=generator).tolist()
+        loss = batch_loss(step, picks)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.trainable(), options.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(params, options.max_grad_norm)
         optimizer.step()
         schedule.step()
         on_step(step, loss.item())
-    student.eval()
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, ModelWeights]:
     if not config_path.exists():
         raise CheckpointError(f"{folder} has no config.json")
     config = ModelConfig.from_hf(json.loads(config_path.read_text()))
-    files = _tensor_files(folder)
+    files = tensor_files(folder)
     handles = {f: safe_open(str(f), framework="pt") for f in set(files.values())}
 
     def get(role: str, layer: int | None) -> torch.Tensor | None:
@@ -47,7 +47,7 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, ModelWeights]:
     return config, assemble_weights(config, get)
 
 
-def _tensor_files(folder: Path) -> dict[str, Path]:
+def tensor_files(folder: Path) -> dict[str, Path]:
     """Maps each tensor name to the safetensors file that holds it."""
     index = folder / "model.safetensors.index.json"
     if index.exists():

@@ -102,6 +102,15 @@ class LlamaModel:
         return self.decoder.forward(batch)
 
     @torch.inference_mode()
+    def forward_capturing(self, batch, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's logits, and the residual stream entering each of `layers` (ascending) at every
+        token of the batch: fp32 [num_tokens, len(layers), hidden], the features EAGLE-style drafters read."""
+        if not layers or list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < self.config.num_layers:
+            raise ValueError(f"capture layers {list(layers)} must be distinct, ascending and in "
+                             f"[0, {self.config.num_layers})")
+        return self.decoder.forward(batch, capture_layers=tuple(layers))
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, head_rows] of normed hidden states [rows, hidden]."""
         return self.decoder.logits(hidden)

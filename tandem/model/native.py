@@ -76,7 +76,8 @@ class CBatch(ctypes.Structure):
     _fields_ = [("num_tokens", ctypes.c_int), ("token_ids", ctypes.c_void_p), ("positions", ctypes.c_void_p),
                 ("num_chunks", ctypes.c_int), ("chunk_slots", ctypes.c_void_p), ("chunk_starts", ctypes.c_void_p),
                 ("num_out", ctypes.c_int), ("out_tokens", ctypes.c_void_p), ("want_hidden", ctypes.c_int),
-                ("out", ctypes.c_void_p)]
+                ("out", ctypes.c_void_p), ("num_capture", ctypes.c_int), ("capture_layers", ctypes.c_void_p),
+                ("captured", ctypes.c_void_p)]
 
 
 class Library:

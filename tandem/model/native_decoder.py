@@ -74,18 +74,28 @@ class NativeDecoder:
             lm_head=self._lm_head, layers=self._layers,
         )
 
-    def forward(self, batch: NativeBatch, want_hidden: bool = False) -> torch.Tensor:
-        """fp32 logits [num_logits, vocab rows], or the final normed hidden states [num_logits, hidden]."""
+    def forward(self, batch: NativeBatch, want_hidden: bool = False,
+                capture_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits [num_logits, vocab rows], or the final normed hidden states [num_logits, hidden].
+
+        capture_layers (ascending): also the residual stream entering each of these layers at every
+        token, fp32 [T, len(capture_layers), hidden], returned second.
+        """
         width = self._model.hidden if want_hidden else self._lm_head.panels * native.PANEL
         out = torch.empty(batch.out_tokens.shape[0], width, dtype=torch.float32)
+        layers = torch.tensor(capture_layers, dtype=torch.int32)
+        captured = torch.empty(batch.num_tokens, len(capture_layers), self._model.hidden, dtype=torch.float32)
         c_batch = native.CBatch(
             num_tokens=batch.num_tokens, token_ids=batch.token_ids.data_ptr(), positions=batch.positions.data_ptr(),
             num_chunks=batch.chunk_slots.shape[0], chunk_slots=batch.chunk_slots.data_ptr(),
             chunk_starts=batch.chunk_starts.data_ptr(), num_out=batch.out_tokens.shape[0],
             out_tokens=batch.out_tokens.data_ptr(), want_hidden=int(want_hidden), out=out.data_ptr(),
+            num_capture=len(capture_layers), capture_layers=layers.data_ptr() if capture_layers else None,
+            captured=captured.data_ptr() if capture_layers else None,
         )
         self.library.forward(self._model, c_batch)
-        return out if want_hidden else self._trim(out)
+        result = out if want_hidden else self._trim(out)
+        return (result, captured) if capture_layers else result
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [rows, vocab rows] of normed hidden states [rows, hidden]."""

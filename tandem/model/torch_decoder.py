@@ -55,16 +55,22 @@ class TorchDecoder:
             return UniformBatch(chunks, len(chunks[0].token_ids))
         return ForwardBatch.build(chunks, self.config.queries_per_kv, self.device)
 
-    def forward(self, batch: ForwardBatch | UniformBatch, want_hidden: bool = False) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch | UniformBatch, want_hidden: bool = False,
+                capture_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As NativeDecoder.forward. A uniform step that captures runs the dynamic path."""
         if isinstance(batch, UniformBatch):
-            if not want_hidden:
+            if not want_hidden and not capture_layers:
                 return self.static_steps.run(batch)
             batch = ForwardBatch.build(batch.chunks, self.config.queries_per_kv, self.device)
         hidden = F.embedding(batch.input_ids, self._embed)  # [T, hidden]
+        captured = []
         for index, layer in enumerate(self._layers):
+            if index in capture_layers:
+                captured.append(hidden.float())
             hidden = self._layer(index, layer, hidden, batch)
         last = self._norm(hidden[batch.logits_indices], self._final_norm)  # [num_logits, hidden]
-        return last if want_hidden else self.logits(last)
+        result = last if want_hidden else self.logits(last)
+        return (result, torch.stack(captured, dim=1)) if capture_layers else result  # [T, layers, hidden]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self._lm_head).float()

@@ -12,20 +12,24 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "max_k", "kind", "probs_top_k")
+    __slots__ = ("model", "vocab_size", "tokenizer_fingerprint", "max_k", "kind", "probs_top_k", "hidden_layers", "target_hidden_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PROBS_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
     max_k: int
     kind: str
     probs_top_k: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., kind: _Optional[str] = ..., probs_top_k: _Optional[int] = ...) -> None: ...
+    hidden_layers: _containers.RepeatedScalarFieldContainer[int]
+    target_hidden_size: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., kind: _Optional[str] = ..., probs_top_k: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ...) -> None: ...
 
 class DraftSampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "drafter_invariant")
@@ -62,16 +66,18 @@ class SequenceOpen(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., k: _Optional[int] = ..., accepts_assumed: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_structured_pb2.StructuredOutputs, _Mapping]] = ..., constrained_from: _Optional[int] = ...) -> None: ...
 
 class SequenceExtend(_message.Message):
-    __slots__ = ("seq_id", "start", "token_ids", "hidden_states")
+    __slots__ = ("seq_id", "start", "token_ids", "hidden_states", "hidden_start")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_START_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden_states: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ...) -> None: ...
+    hidden_start: int
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ..., hidden_start: _Optional[int] = ...) -> None: ...
 
 class SequenceClose(_message.Message):
     __slots__ = ("seq_id",)

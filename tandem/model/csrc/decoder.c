@@ -59,6 +59,9 @@ typedef struct {
     const int32_t* out_tokens;   /* [num_out]: the tokens whose logits (or hidden state) come out */
     int want_hidden;             /* out gets the final normed hidden state instead of logits */
     float* out;                  /* [num_out, lm_head.panels * 16] or [num_out, hidden] */
+    int num_capture;             /* layers whose input residual stream comes out in captured; 0: none */
+    const int32_t* capture_layers;  /* [num_capture], ascending */
+    float* captured;             /* [T, num_capture, hidden]: the residual stream entering each listed layer */
 } Batch;
 
 typedef struct {
@@ -338,6 +341,18 @@ static void residual_norm_phase(const Forward* f, const float* norm, int add_y, 
     }
 }
 
+/* Copies this thread's rows of the residual stream entering layer l into captured, if l is listed. */
+static void capture_phase(const Forward* f, int l, int tid, int nt) {
+    const Batch* b = f->b;
+    int which = -1, h = f->m->hidden, begin, end;
+    for (int i = 0; i < b->num_capture; i++)
+        if (b->capture_layers[i] == l) which = i;
+    if (which < 0) return;
+    share(b->num_tokens, tid, nt, &begin, &end);
+    for (int t = begin; t < end; t++)
+        memcpy(b->captured + ((int64_t)t * b->num_capture + which) * h, f->hidden + (int64_t)t * h, sizeof(float) * h);
+}
+
 static void silu_mul_phase(const Forward* f, const Layer* layer, int tid, int nt) {
     const Model* m = f->m;
     int inter = m->intermediate, ld = ldy_of(&layer->gate_up), begin, end;
@@ -391,6 +406,7 @@ static void forward_job(void* arg, int tid, int nt) {
         int p0, p1;
         int ld_prev = l ? ldy_of(&m->layers[l - 1].down) : 0;
         residual_norm_phase(f, layer->attn_norm, l > 0, ld_prev, tid, nt);
+        capture_phase(f, l, tid, nt);  /* the same rows residual_norm_phase just wrote: no barrier */
         barrier_wait(&f->barrier, nt, &sense);
         qkv_phase(f, layer, tid, nt);
         barrier_wait(&f->barrier, nt, &sense);

@@ -1,0 +1,53 @@
+"""An EAGLE-3 head drafting for the embedded model over real gRPC: the target sends its features with
+each Extend, the head drafts from them, and output stays the target's own."""
+from __future__ import annotations
+
+import pytest
+
+from service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape
+from tandem.hidden_states import FeatureLayout
+from tandem.loaders import load_checkpoint
+from tandem.model.eagle3 import default_feature_layers
+from tandem.registry import resolve_model_path
+from test_service_pair import _pair
+from tiny_eagle3 import write_eagle3_head
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def eagle_pair(tmp_path_factory):
+    config, _ = load_checkpoint(resolve_model_path("smollm2-135m"))
+    head = write_eagle3_head(tmp_path_factory.mktemp("head") / "eagle3", config, None, list(range(2048)))
+    layout = FeatureLayout(default_feature_layers(config.num_layers), config.hidden_size)
+    draft, target = _pair(tmp_path_factory, "eagle3", ["--drafter", "eagle3", "--model", str(head),
+                                                       "--drafter-target", "smollm2-135m"], ["--sync-speculation"])
+    yield draft, target, layout
+    target.kill()
+    draft.kill()
+
+
+def test_drafts_from_target_features_and_greedy_output_is_the_targets(eagle_pair):
+    draft, target, layout = eagle_pair
+    requests = {speculate: [greedy_request(p, MAX_TOKENS, speculate=speculate) for p in PROMPTS]
+                for speculate in (False, True)}
+    alone = run_requests(target.address, requests[False])
+    paired = run_requests(target.address, requests[True])
+    assert [r.token_ids for r in paired] == [r.token_ids for r in alone]
+    samples = scrape(target.metrics_url)
+    sent = metric(samples, "tandem_hidden_state_bytes_total")
+    assert sent > 0 and sent % layout.row_bytes == 0
+    assert layout.row_bytes == 3 * 576 * 2  # layers 2, 15 and 27 of SmolLM2-135M, bf16
+    # Every position but each sequence's last few is sent once: at least the prompts' positions.
+    assert sent >= sum(r.prompt_tokens for r in paired) * layout.row_bytes
+    assert metric(samples, "tandem_spec_decode_num_draft_tokens_total") > 0, "no draft reached verification"
+    assert metric(scrape(draft.metrics_url), "tandem_draft_invalid_updates_total") == 0
+
+
+def test_sampled_requests_with_the_heads_probabilities_finish(eagle_pair):
+    _, target, _ = eagle_pair
+    requests = [greedy_request(p, MAX_TOKENS, speculate=True, seed=i) for i, p in enumerate(PROMPTS)]
+    for request in requests:
+        request.sampling_params.temperature = 0.8
+    results = run_requests(target.address, requests)
+    assert all(r.finish_reason in ("length", "stop") and r.token_ids for r in results)
