@@ -9,6 +9,12 @@ proposal for them, commits the drafts that equal the target's continuation plus 
 and sends that Extend. The mean acceptance length (MAL) is the tokens committed per verify step,
 what a greedy pair with --sync-speculation measures, without the timing noise. Prompts run in the
 bench's order on one stream, so the suffix drafter's shared cache holds the earlier outputs.
+
+--eagle-head FOLDER adds an `eagle3` row: the script then also plays the target's part in sending
+features (the layers the head's Info names, computed by one capturing forward of the target over
+prompt and output) with each Extend. Such a head drafts nothing before the first Extend brings the
+prompt's features, so its first step commits one token without drafts, as other rows' steps may not.
+--drafters picks rows by name.
 """
 from __future__ import annotations
 
@@ -21,8 +27,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
+import torch
 
 from bench.prompt_set import KINDS, load_prompts
+from tandem.hidden_states import FeatureLayout
+from tandem.model.batch import SequenceChunk
 from tandem.generate import greedy_generate
 from tandem.launch import ServiceProcess
 from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
@@ -71,11 +80,32 @@ async def proposal_for(call: grpc.aio.StreamStreamCall, seq_id: int, base_len: i
                 return list(proposal.token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class CaseFeatures:
+    """The target's features along one case, for a drafter that reads them."""
+
+    layout: FeatureLayout
+    rows: torch.Tensor  # [len(prompt) + len(output) - 1, layers, hidden]: row p the feature of position p
+
+
+def case_features(cases: list[Case], model: str, layout: FeatureLayout) -> list[CaseFeatures]:
+    """One capturing forward of the target over each case's prompt and output."""
+    loaded = load_model(model, num_slots=1, max_model_len=max(len(c.prompt) + len(c.output) for c in cases))
+    features = []
+    for case in cases:
+        tokens = (case.prompt + case.output)[:-1]
+        batch = loaded.model.build_batch([SequenceChunk(0, 0, tokens)])
+        features.append(CaseFeatures(layout, loaded.model.forward_capturing(batch, layout.layers)[1]))
+    return features
+
+
 async def replay(call: grpc.aio.StreamStreamCall, case: Case, seq_id: int, k: int,
-                 constraint: StructuredOutputs | None = None) -> tuple[int, int]:
+                 constraint: StructuredOutputs | None = None,
+                 features: CaseFeatures | None = None) -> tuple[int, int]:
     """Synchronous greedy speculation along the case's output: (verify steps, tokens committed).
 
-    constraint: the output's structured-output constraint, sent to the drafter with the Open."""
+    constraint: the output's structured-output constraint, sent to the drafter with the Open.
+    features: sent with each Extend, the rows of the positions read since the last one."""
     opened = pb.SequenceOpen(seq_id=seq_id, prompt_ids=case.prompt, k=k)
     if constraint is not None:
         opened.structured_outputs.CopyFrom(constraint)
@@ -89,23 +119,30 @@ async def replay(call: grpc.aio.StreamStreamCall, case: Case, seq_id: int, k: in
         new = case.output[committed : committed + accepted + 1]
         steps += 1
         if committed + len(new) < len(case.output):
-            await call.write(pb.TargetUpdate(extends=[pb.SequenceExtend(
-                seq_id=seq_id, start=len(case.prompt) + committed, token_ids=new)]))
+            start = len(case.prompt) + committed
+            extend = pb.SequenceExtend(seq_id=seq_id, start=start, token_ids=new)
+            if features is not None:
+                extend.hidden_start = max(0, start - 1) if committed else 0
+                extend.hidden_states = features.layout.encode(
+                    features.rows[extend.hidden_start : start + len(new) - 1])
+            await call.write(pb.TargetUpdate(extends=[extend]))
         committed += len(new)
     await call.write(pb.TargetUpdate(closes=[pb.SequenceClose(seq_id=seq_id)]))
     return steps, committed
 
 
 async def measure(address: str, cases: list[Case], k: int,
-                  constraints: list[StructuredOutputs] | None = None) -> dict[str, float]:
+                  constraints: list[StructuredOutputs] | None = None,
+                  features: list[CaseFeatures] | None = None) -> dict[str, float]:
     """MAL per prompt kind and over all, the cases one after another on one stream (each under its
-    constraint, when given)."""
+    constraint, and with its target features, when given)."""
     steps: dict[str, int] = defaultdict(int)
     tokens: dict[str, int] = defaultdict(int)
     async with grpc.aio.insecure_channel(address) as channel:
         call = drafter_pb2_grpc.DrafterStub(channel).Speculate()
         for seq_id, case in enumerate(cases):
-            s, t = await replay(call, case, seq_id, k, None if constraints is None else constraints[seq_id])
+            s, t = await replay(call, case, seq_id, k, None if constraints is None else constraints[seq_id],
+                                None if features is None else features[seq_id])
             steps[case.kind] += s
             tokens[case.kind] += t
         call.cancel()
@@ -114,11 +151,13 @@ async def measure(address: str, cases: list[Case], k: int,
     return result
 
 
-def variants(confidences: list[float]) -> dict[str, list[str]]:
+def variants(confidences: list[float], args: argparse.Namespace) -> dict[str, list[str]]:
     """Draft-service flags by row name."""
     rows = {"ngram": ["--drafter", "ngram"], "suffix": ["--drafter", "suffix"], "model": ["--drafter", "model"]}
     for share in confidences:
         rows[f"suffix+model@{share:g}"] = ["--drafter", "suffix+model", "--suffix-confidence", str(share)]
+    if args.eagle_head:
+        rows["eagle3"] = ["--drafter", "eagle3", "--model", args.eagle_head, "--drafter-target", args.model]
     return rows
 
 
@@ -128,7 +167,13 @@ def run_variant(flags: list[str], cases: list[Case], args: argparse.Namespace, l
                                              "--max-model-len", str(longest), *flags], log_path=log)
     try:
         draft.start().wait_healthy(timeout=300)
-        return asyncio.run(measure(draft.address, cases, args.k))
+        with draft.channel() as channel:
+            info = drafter_pb2_grpc.DrafterStub(channel).Info(pb.DrafterInfoRequest(), timeout=30)
+        features = None
+        if info.hidden_layers:
+            layout = FeatureLayout(tuple(info.hidden_layers), info.target_hidden_size)
+            features = case_features(cases, args.model, layout)
+        return asyncio.run(measure(draft.address, cases, args.k, features=features))
     finally:
         draft.kill()
 
@@ -142,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
     parser.add_argument("--confidences", default="0.5,0.75,1", help="suffix+model thresholds to try (share of k)")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "tandem-drafter-mal.json")
+    parser.add_argument("--eagle-head", default="", help="an EAGLE-3 head folder for --model: adds an eagle3 row")
+    parser.add_argument("--drafters", default="", help="comma-separated rows to run (default: all)")
     args = parser.parse_args(argv)
     cases = target_outputs(args.per_kind, args.max_tokens, args.model, args.cache)
     log_dir = Path(tempfile.mkdtemp())
@@ -149,7 +196,10 @@ def main(argv: list[str] | None = None) -> None:
           f"(logs: {log_dir})")
     print(f"| drafter | {' | '.join(KINDS)} | all |")
     print(f"|---|{'---|' * len(KINDS)}---|")
-    for name, flags in variants([float(s) for s in args.confidences.split(",") if s]).items():
+    wanted = set(args.drafters.split(",")) if args.drafters else None
+    for name, flags in variants([float(s) for s in args.confidences.split(",") if s], args).items():
+        if wanted is not None and name not in wanted:
+            continue
         mal = run_variant(flags, cases, args, log_dir / f"{name}.log")
         print(f"| {name} | {' | '.join(f'{mal.get(kind, 0):.2f}' for kind in (*KINDS, 'all'))} |", flush=True)
 

@@ -51,3 +51,21 @@ def test_sampled_requests_with_the_heads_probabilities_finish(eagle_pair):
         request.sampling_params.temperature = 0.8
     results = run_requests(target.address, requests)
     assert all(r.finish_reason in ("length", "stop") and r.token_ids for r in results)
+
+
+def test_the_acceptance_bench_replays_features_the_drafter_takes(eagle_pair):
+    """bench/drafter_mal.py plays the target's part: its Extends carry exactly the rows a head expects."""
+    import asyncio
+
+    from bench.drafter_mal import Case, case_features, measure
+
+    draft, _, layout = eagle_pair
+    before = scrape(draft.metrics_url)
+    case = Case("chat", list(range(1000, 1040)), list(range(2000, 2030)))
+    features = case_features([case], "smollm2-135m", layout)
+    assert features[0].rows.shape == (69, 3, 576)
+    mal = asyncio.run(measure(draft.address, [case], k=4, features=features))
+    after = scrape(draft.metrics_url)
+    assert mal["all"] >= 1
+    assert metric(after, "tandem_draft_invalid_updates_total") == metric(before, "tandem_draft_invalid_updates_total")
+    assert metric(after, "tandem_draft_tokens_total") > metric(before, "tandem_draft_tokens_total")

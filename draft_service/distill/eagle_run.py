@@ -88,7 +88,7 @@ def run_eagle(config: DistillConfig, target_config: ModelConfig, weights: ModelW
         "total_seconds": round(time.perf_counter() - began, 1),
     }
     head_config, head_weights = student.export(target_config.hidden_size)
-    save_eagle3(Path(config.out), head_config, head_weights,
+    save_eagle3(Path(config.out), head_config, head_weights, dtype=torch.bfloat16,
                 extra_config={"tandem": {"target": config.target, "target_fingerprint": fingerprint,
                                          "training": training}})
     log.info("saved %s in %.0f s (data %.0f s, features %.0f s, training %.0f s)", config.out,

@@ -87,8 +87,8 @@ def load_eagle3(folder: Path, target_config: ModelConfig, target_weights: ModelW
 
 
 def save_eagle3(folder: Path, config: Eagle3Config, weights: Eagle3Weights, *, with_embedding: bool = False,
-                extra_config: dict | None = None) -> None:
-    """Writes the head in the layout load_eagle3 (and vLLM, SGLang) read; float32 tensors."""
+                extra_config: dict | None = None, dtype: torch.dtype = torch.float32) -> None:
+    """Writes the head in the layout load_eagle3 (and vLLM, SGLang) read; float tensors in dtype."""
     layer = config.layer
     q_rows, kv_rows = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
     q, k, v = weights.qkv.split([q_rows, kv_rows, kv_rows])
@@ -107,7 +107,9 @@ def save_eagle3(folder: Path, config: Eagle3Config, weights: Eagle3Weights, *, w
     if with_embedding:
         tensors["embed_tokens.weight"] = weights.embed
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(folder / "model.safetensors"))
+    stored = {name: (t.to(dtype) if t.is_floating_point() else t).detach().contiguous().cpu()
+              for name, t in tensors.items()}
+    save_file(stored, str(folder / "model.safetensors"))
     cfg = {
         "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": layer.hidden_size,
         "intermediate_size": layer.intermediate_size, "num_attention_heads": layer.num_heads,
@@ -115,7 +117,7 @@ def save_eagle3(folder: Path, config: Eagle3Config, weights: Eagle3Weights, *, w
         "rms_norm_eps": layer.rms_norm_eps, "rope_theta": layer.rope_theta,
         "max_position_embeddings": layer.max_position_embeddings, "vocab_size": layer.vocab_size,
         "draft_vocab_size": len(weights.draft_ids), "target_hidden_size": config.target_hidden_size,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.feature_layers)},
         **(extra_config or {}),
     }
