@@ -238,3 +238,20 @@ def test_the_target_refuses_a_drafter_whose_features_it_cannot_send(change, mess
     link._check(pb.DrafterInfo(**fields))
     with pytest.raises(IncompatibleDrafter, match=message):
         link._check(pb.DrafterInfo(**{**fields, **change}))
+
+
+def test_copying_positions_carries_the_features_and_how_far_they_are_the_targets(head):
+    """A pre-draft's scratch slot: the shared prefix copied from the sequence's own slot."""
+    model = _model(head)
+    tokens = list(range(10, 20))
+    model.load_features(0, 0, _features(6))
+    model.run([SequenceChunk(0, 0, tokens[:8])])  # rows 0..6 read target features, row 7 a predicted one
+    cache = model.kv_cache
+    assert (cache.target_len[0], cache.exact_rows[0]) == (6, 7)
+    model.load_features(1, 0, _features(3, seed=1))
+    model.run([SequenceChunk(1, 0, tokens[:3])])
+    cache.copy_positions(0, 1, 3, 8)  # slot 1 keeps its own 0..2, takes 3..7 from slot 0
+    assert torch.equal(cache.features[1, 3:8], cache.features[0, 3:8])
+    assert (cache.target_len[1], cache.exact_rows[1]) == (6, 7)
+    cache.copy_positions(0, 2, 4, 8)  # a fresh slot has nothing before 4: its runs stay empty
+    assert (cache.target_len[2], cache.exact_rows[2]) == (0, 0)

@@ -79,10 +79,14 @@ class FeatureCache(KVCache):
     def copy_positions(self, source: int, dest: int, start: int, end: int) -> None:
         super().copy_positions(source, dest, start, end)
         self.features[dest, start:end] = self.features[source, start:end]
-        self.target_len[dest] = min(self.target_len[source], end) if start <= self.target_len[dest] else \
-            self.target_len[dest]
-        self.exact_rows[dest] = min(self.exact_rows[source], end) if start <= self.exact_rows[dest] else \
-            self.exact_rows[dest]
+        self.target_len[dest] = _joined(self.target_len[dest], self.target_len[source], start, end)
+        self.exact_rows[dest] = _joined(self.exact_rows[dest], self.exact_rows[source], start, end)
+
+
+def _joined(dest_len: int, source_len: int, start: int, end: int) -> int:
+    """The leading run of positions in dest after positions [start, end) were copied in from source:
+    dest's own up to start, if unbroken there, then the source's as far as its run reaches inside the copy."""
+    return max(start, min(source_len, end)) if dest_len >= start else dest_len
 
 
 class Eagle3Model:
