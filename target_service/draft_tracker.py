@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
-
-import torch
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+
+import torch
 
 from target_service.draft_messages import extend_message, open_message
 from target_service.draft_plan import DraftPlan, PlannedDrafts

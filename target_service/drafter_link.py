@@ -140,10 +140,8 @@ class DrafterLink:
         async with self._channel(candidate) as channel:
             stub = drafter_pb2_grpc.DrafterStub(channel)
             info = await stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=5.0)
-            self._check(info)
+            self.feature_layout = self._check(info)
             self.info = info
-            self.feature_layout = (FeatureLayout(tuple(info.hidden_layers), info.target_hidden_size)
-                                   if info.hidden_layers else None)
             self._queue = asyncio.Queue()
             self._stalled = False
             self._set_connected(True)
@@ -176,21 +174,25 @@ class DrafterLink:
         while True:
             yield await self._queue.get()
 
-    def _check(self, info: drafter_pb2.DrafterInfo) -> None:
+    def _check(self, info: drafter_pb2.DrafterInfo) -> FeatureLayout | None:
+        """IncompatibleDrafter unless the target can serve this drafter; the features it reads, if any."""
         if info.vocab_size != self.vocab_size:
             raise IncompatibleDrafter(f"vocabulary of {info.vocab_size} tokens; the target has {self.vocab_size}")
         if info.tokenizer_fingerprint != self.tokenizer_fingerprint:
             raise IncompatibleDrafter("its tokenizer fingerprint differs from the target's")
         if info.max_k < 1:
             raise IncompatibleDrafter(f"max_k {info.max_k} must be at least 1")
-        if info.hidden_layers:
-            if info.target_hidden_size != self.hidden_size:
-                raise IncompatibleDrafter(f"it reads features of hidden size {info.target_hidden_size}; "
-                                          f"the target's is {self.hidden_size}")
-            try:
-                FeatureLayout(tuple(info.hidden_layers), info.target_hidden_size).check_layers(self.num_layers)
-            except FeatureError as err:
-                raise IncompatibleDrafter(str(err)) from None
+        if not info.hidden_layers:
+            return None
+        if info.target_hidden_size != self.hidden_size:
+            raise IncompatibleDrafter(f"it reads features of hidden size {info.target_hidden_size}; "
+                                      f"the target's is {self.hidden_size}")
+        layout = FeatureLayout(tuple(info.hidden_layers), info.target_hidden_size)
+        try:
+            layout.check_layers(self.num_layers)
+        except FeatureError as err:
+            raise IncompatibleDrafter(str(err)) from None
+        return layout
 
     def _set_connected(self, connected: bool) -> None:
         self.connected = connected
