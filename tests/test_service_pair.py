@@ -34,12 +34,12 @@ def _wait_connected(target: ServiceProcess, connected: bool = True, timeout: flo
     raise AssertionError(f"tandem_drafter_connected did not become {int(connected)}")
 
 
-def _pair_fixture(drafter: str, target_args: list[str] = ()):
+def _pair_fixture(drafter: str, target_args: list[str] = (), draft_args: list[str] = ()):
     """A module-scoped pair with the given drafter, killed after the module."""
 
     @pytest.fixture(scope="module")
     def pair(tmp_path_factory):
-        draft, target = _pair(tmp_path_factory, drafter, ["--drafter", drafter], target_args)
+        draft, target = _pair(tmp_path_factory, drafter, ["--drafter", drafter, *draft_args], target_args)
         yield draft, target
         target.kill()
         draft.kill()
@@ -47,11 +47,15 @@ def _pair_fixture(drafter: str, target_args: list[str] = ()):
     return pair
 
 
-ngram_pair = _pair_fixture("ngram")
+# TWO_THREADS: pairs whose services never compete for the 2 cores take both, and run twice as fast.
+# A synchronous pair takes turns (the target waits for its drafts, the drafter for the next update);
+# a lookup drafter's work takes microseconds, so its target may have both cores.
+TWO_THREADS = ["--threads", "2"]  # after _pair's "--threads 1": the last flag given wins
+ngram_pair = _pair_fixture("ngram", TWO_THREADS)
 # Whether an async step finds the model drafter's drafts in time depends on the machine's load, and
 # the draft budget may verify none of them; synchronous speculation verifies every draft, so that
 # this test always checks verification with the distilled drafter's real drafts.
-model_pair = _pair_fixture("model", ["--sync-speculation"])
+model_pair = _pair_fixture("model", ["--sync-speculation", *TWO_THREADS], TWO_THREADS)
 
 
 def _greedy_identity(target: ServiceProcess) -> None:
@@ -89,8 +93,8 @@ def test_a_target_that_keeps_no_predrafts_is_sent_none(model_pair):
     assert metric(target_samples, "tandem_draft_rejected_proposals_total", reason="base_len") == 0
 
 
-suffix_pair = _pair_fixture("suffix")
-suffix_model_pair = _pair_fixture("suffix+model", ["--sync-speculation"])
+suffix_pair = _pair_fixture("suffix", TWO_THREADS)
+suffix_model_pair = _pair_fixture("suffix+model", ["--sync-speculation", *TWO_THREADS], TWO_THREADS)
 
 
 def test_greedy_with_suffix_drafter_is_token_identical(suffix_pair):
@@ -114,8 +118,13 @@ def test_suffix_in_front_of_the_model_is_lossless_and_its_point_masses_are_verif
     assert sum(r.draft_tokens for r in results) > 0 and sum(r.accepted_tokens for r in results) > 0
 
 
-# The asynchronous default: sequences opened for pre-drafts, the target caching them.
-cached_pair = _pair_fixture("model", ["--dtype", "bfloat16"])
+# The asynchronous default: sequences opened for pre-drafts, the target caching them. Two things
+# must hold for a step to find a pre-draft, whatever the machine: the drafter needs scratch slots
+# beside the 8 sequences' own (one per outcome), and its fresh and pre-draft rounds must end
+# within the target's step. On a slow CPU the distilled drafter's rounds outlast SmolLM2's 15 ms
+# step, and the policy rightly stops waiting for drafts; a step of at least 150 ms stands in for
+# the larger target that speculation is for.
+cached_pair = _pair_fixture("model", ["--dtype", "bfloat16", "--min-step-ms", "150"], ["--num-slots", "64"])
 
 
 def test_greedy_with_cached_pre_drafts_is_token_identical(cached_pair):

@@ -25,14 +25,15 @@ from service_fixtures import call_error, greedy_request, metric, run_requests, s
 from tandem.launch import ServiceProcess
 from tandem.runtime import load_tokenizer
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2, structured_pb2
-from test_service_pair import _pair, _pair_fixture, _wait_connected
+from test_service_pair import TWO_THREADS, _pair, _pair_fixture, _wait_connected
 
 MAX_TOKENS = 400
 JSON_PROMPTS = load_json_prompts()
 CHOICES = ["dark red paint", "dark green paint", "light blue paint", "light grey paint", "warm yellow paint"]
 
-model_pair = _pair_fixture("model", ["--sync-speculation", "--max-model-len", "1024"])
-ngram_pair = _pair_fixture("ngram", ["--max-model-len", "1024"])
+# Both pairs take both cores (TWO_THREADS says why they may): the long JSON outputs take half the time.
+model_pair = _pair_fixture("model", ["--sync-speculation", "--max-model-len", "1024", *TWO_THREADS], TWO_THREADS)
+ngram_pair = _pair_fixture("ngram", ["--max-model-len", "1024", *TWO_THREADS])
 
 
 def _json_request(prompt, speculate: bool, temperature: float, seed: int) -> generation_pb2.GenerateRequest:
@@ -89,9 +90,9 @@ def test_compact_json_has_no_whitespace_and_the_drafter_fast_forwards_it(ngram_p
 
 
 def _choice_request(seed: int, speculate: bool) -> generation_pb2.GenerateRequest:
+    # A plain prompt, 12 tokens where the chat template makes 40: 600 prefills are most of the test's time.
     return generation_pb2.GenerateRequest(
-        chat=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(
-            role="user", content="Which paint should I buy for my kitchen wall?")]),
+        prompt="Which paint should I buy for my kitchen wall? Answer:",
         sampling_params=generation_pb2.SamplingParams(
             temperature=1.0, seed=seed, max_tokens=16, speculate=speculate,
             structured_outputs=structured_pb2.StructuredOutputs(choice=structured_pb2.Choices(choices=CHOICES))))
