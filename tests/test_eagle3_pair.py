@@ -2,26 +2,36 @@
 each Extend, the head drafts from them, and output stays the target's own."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape
 from tandem.hidden_states import FeatureLayout
+from tandem.launch import ServiceProcess
 from tandem.loaders import load_checkpoint
 from tandem.model.eagle3 import default_feature_layers
 from tandem.registry import resolve_model_path
-from test_service_pair import _pair
+from test_service_pair import TWO_THREADS, _pair, _wait_connected
 from tiny_eagle3 import write_eagle3_head
 
 MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def eagle_pair(tmp_path_factory):
+def eagle_head(tmp_path_factory) -> tuple[list[str], FeatureLayout]:
+    """The draft service's flags for a random head on SmolLM2's features, and the features' layout."""
     config, _ = load_checkpoint(resolve_model_path("smollm2-135m"))
     head = write_eagle3_head(tmp_path_factory.mktemp("head") / "eagle3", config, None, list(range(2048)))
     layout = FeatureLayout(default_feature_layers(config.num_layers), config.hidden_size)
-    draft, target = _pair(tmp_path_factory, "eagle3", ["--drafter", "eagle3", "--model", str(head),
-                                                       "--drafter-target", "smollm2-135m"], ["--sync-speculation"])
+    return ["--drafter", "eagle3", "--model", str(head), "--drafter-target", "smollm2-135m"], layout
+
+
+@pytest.fixture(scope="module")
+def eagle_pair(tmp_path_factory, eagle_head):
+    draft_args, layout = eagle_head
+    draft, target = _pair(tmp_path_factory, "eagle3", [*draft_args, *TWO_THREADS], ["--sync-speculation", *TWO_THREADS])
     yield draft, target, layout
     target.kill()
     draft.kill()
@@ -69,3 +79,40 @@ def test_the_acceptance_bench_replays_features_the_drafter_takes(eagle_pair):
     assert mal["all"] >= 1
     assert metric(after, "tandem_draft_invalid_updates_total") == metric(before, "tandem_draft_invalid_updates_total")
     assert metric(after, "tandem_draft_tokens_total") > metric(before, "tandem_draft_tokens_total")
+
+
+def test_a_restarted_head_drafts_the_running_sequences_from_the_features_sent_after_it(tmp_path_factory, eagle_head):
+    """The drafter dies mid-generation and comes back. The target reopens the running sequences; the
+    new drafter never gets the features of the positions committed before, which its head reads as
+    zeros, and the Extends after the reopen carry exactly the rows it expects: none is refused, the
+    drafts are verified again and the output stays the target's own.
+    The requests must outlast the restart (about 5 s on a slow machine): 150 tokens at 80 ms a step."""
+    draft_args, layout = eagle_head
+    draft, target = _pair(tmp_path_factory, "eagle3-restart", draft_args,
+                          ["--sync-speculation", "--min-step-ms", "80", "--reconnect-max-seconds", "0.3"])
+    requests = [greedy_request(p, 150, ignore_eos=True) for p in PROMPTS[:2]]
+    try:
+        alone = run_requests(target.address, [greedy_request(p, 150, ignore_eos=True, speculate=False)
+                                              for p in PROMPTS[:2]])
+        results = []
+        worker = threading.Thread(target=lambda: results.extend(run_requests(target.address, requests)))
+        worker.start()
+        time.sleep(1.0)
+        draft.kill()
+        _wait_connected(target, connected=False)
+        draft = ServiceProcess("draft_service", draft.args, port=draft.port, metrics_port=draft.metrics_port,
+                               log_path=draft.log_path).start().wait_healthy()
+        _wait_connected(target, connected=True)
+        before = scrape(target.metrics_url)
+        worker.join(300)
+        after, drafter = scrape(target.metrics_url), scrape(draft.metrics_url)
+        assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+        for name in ("tandem_spec_decode_num_draft_tokens_total", "tandem_hidden_state_bytes_total"):
+            assert metric(after, name) > metric(before, name), f"{name} did not grow after the restart"
+        assert metric(drafter, "tandem_draft_tokens_total") > 0
+        assert metric(drafter, "tandem_draft_invalid_updates_total") == 0
+        assert (metric(after, "tandem_hidden_state_bytes_total")
+                - metric(before, "tandem_hidden_state_bytes_total")) % layout.row_bytes == 0
+    finally:
+        target.kill()
+        draft.kill()
