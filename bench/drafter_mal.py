@@ -30,6 +30,7 @@ import grpc
 import torch
 
 from bench.prompt_set import KINDS, load_prompts
+from bench.serve import EAGLE3, eagle3_drafter_flags
 from tandem.hidden_states import FeatureLayout
 from tandem.model.batch import SequenceChunk
 from tandem.generate import greedy_generate
@@ -157,7 +158,7 @@ def variants(confidences: list[float], args: argparse.Namespace) -> dict[str, li
     for share in confidences:
         rows[f"suffix+model@{share:g}"] = ["--drafter", "suffix+model", "--suffix-confidence", str(share)]
     if args.eagle_head:
-        rows["eagle3"] = ["--drafter", "eagle3", "--model", args.eagle_head, "--drafter-target", args.model]
+        rows[EAGLE3] = eagle3_drafter_flags(args.eagle_head, args.model)
     return rows
 
 

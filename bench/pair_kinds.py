@@ -2,6 +2,7 @@
 
     python -m bench.pair_kinds [--drafters suffix suffix+model model] [--kinds rewrite code chat]
                                [--num-prompts 8] [--max-tokens 128] [--dtype bfloat16]
+                               [--eagle-head HEAD]   (adds the drafter eagle3: that EAGLE-3 head)
 
 For each (kind, drafter) it starts a draft service and a target (one thread each, the target
 keeping pre-drafts, as deployed), warms both up on two prompts of that kind that it does not
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.prompt_set import KINDS
-from bench.serve import DRAFTERS
+from bench.serve import DRAFTERS, EAGLE3, eagle3_drafter_flags
 from bench.versus_vllm import generate_all, prompt_ids
 from tandem.launch import ServiceProcess
 from tandem.metrics_scrape import metric, scrape
@@ -42,11 +43,18 @@ class PairRow:
                 f"{self.identical}/{self.prompts} |")
 
 
+def drafter_flags(drafter: str, args: argparse.Namespace) -> list[str]:
+    """The draft service's flags for one drafter kind."""
+    if drafter == EAGLE3:
+        return eagle3_drafter_flags(args.eagle_head, args.model)
+    draft_model = args.draft_model if "model" in drafter else args.model  # lookup drafters: its tokenizer
+    return ["--model", draft_model, "--drafter", drafter]
+
+
 def measure(kind: str, drafter: str, args: argparse.Namespace, logs: Path) -> PairRow:
     prompts = prompt_ids(args.num_prompts + 2, kind, args.model)
     measured, warm = prompts[: args.num_prompts], prompts[args.num_prompts :]
-    draft_model = args.draft_model if "model" in drafter else args.model  # lookup drafters: its tokenizer
-    draft = ServiceProcess("draft_service", ["--model", draft_model, "--drafter", drafter, "--threads", "1"],
+    draft = ServiceProcess("draft_service", [*drafter_flags(drafter, args), "--threads", "1"],
                            log_path=logs / f"draft-{kind}-{drafter}.log").start()
     target = ServiceProcess("target_service", ["--model", args.model, "--dtype", args.dtype, "--threads", "1",
                                                "--drafter", draft.address],
@@ -75,14 +83,18 @@ def measure(kind: str, drafter: str, args: argparse.Namespace, logs: Path) -> Pa
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drafters", nargs="+", choices=DRAFTERS, default=["suffix", "suffix+model", "model"])
+    parser.add_argument("--drafters", nargs="+", choices=(*DRAFTERS, EAGLE3),
+                        default=["suffix", "suffix+model", "model"])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=["rewrite", "code", "chat"])
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
+    parser.add_argument("--eagle-head", help="an EAGLE-3 head folder for --drafters eagle3 (distill --kind eagle3)")
     args = parser.parse_args(argv)
+    if EAGLE3 in args.drafters and not args.eagle_head:
+        parser.error("--drafters eagle3 needs --eagle-head")
     logs = Path(tempfile.mkdtemp(prefix="tandem-pair-kinds-"))
     print(f"{args.model} {args.dtype}, 1 + 1 threads, {args.num_prompts} prompts per kind, greedy, "
           f"{args.max_tokens} max tokens, one at a time (logs: {logs})")

@@ -41,6 +41,14 @@ TANDEM_MODES = ("alone", "async", "sync")
 
 
 DRAFTERS = ("ngram", "model", "suffix", "suffix+model")  # the draft service's --drafter kinds
+EAGLE3 = "eagle3"  # the draft service's kind for an EAGLE-3 head, which names its target
+
+
+def eagle3_drafter_flags(head: str, target: str) -> list[str]:
+    """The draft service's flags to serve an EAGLE-3 head folder for `target`."""
+    return ["--drafter", EAGLE3, "--model", head, "--drafter-target", target]
+
+
 # --full: every prompt (0 = all), longer answers, concurrency 16, both drafters, open loop at both T.
 FULL_DEFAULTS = {"num_prompts": 0, "max_tokens": 128, "concurrency": [1, 4, 16], "drafters": ["ngram", "model"],
                  "open_loop_temperatures": [0.0, 0.7]}
