@@ -142,6 +142,22 @@ def test_past_the_targets_features_a_row_reads_the_heads_own_prediction(head):
     assert model.kv_cache.exact_rows[0] == 6 and model.kv_cache.target_len[0] == 6
 
 
+def test_loading_no_rows_forgets_the_features_past_that_position(head):
+    """What a slot taken over from another sequence gets when no new feature has come: the earlier
+    sequence's features past the shared prefix no longer count, and nothing else changes."""
+    model = _model(head)
+    features = _features(6)
+    model.load_features(0, 0, features)
+    model.run([SequenceChunk(0, 0, list(range(10, 18)))])
+    cache = model.kv_cache
+    kept = cache.features[0, :3].clone()
+    model.load_features(0, 3, features[6:])  # [0, layers, hidden]
+    assert (cache.target_len[0], cache.exact_rows[0]) == (3, 4)
+    assert torch.equal(cache.features[0, :3], kept)
+    model.load_features(0, 3, features[6:])  # nothing new twice: the same
+    assert (cache.target_len[0], cache.exact_rows[0]) == (3, 4)
+
+
 # ---- the draft service's side: features arrive with Extends, are checked, and drive the drafts ----
 
 from draft_service.eagle_drafter import Eagle3Drafter  # noqa: E402

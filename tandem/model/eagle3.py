@@ -117,7 +117,7 @@ class Eagle3Model:
         if first > cache.target_len[slot]:
             raise ValueError(f"features from position {first} would leave a gap after {cache.target_len[slot]}")
         end = first + len(rows)
-        fused = F.linear(rows.reshape(len(rows), -1).to(self.dtype), self.w.fc)  # [R, hidden]
+        fused = F.linear(rows.flatten(1).to(self.dtype), self.w.fc)  # [R, hidden]; R may be 0
         cache.features[slot, first:end] = fused
         cache.target_len[slot] = end
         cache.exact_rows[slot] = min(cache.exact_rows[slot], first + 1)
