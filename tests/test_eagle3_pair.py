@@ -81,19 +81,21 @@ def test_the_acceptance_bench_replays_features_the_drafter_takes(eagle_pair):
     assert metric(after, "tandem_draft_tokens_total") > metric(before, "tandem_draft_tokens_total")
 
 
-def test_a_restarted_head_drafts_the_running_sequences_from_the_features_sent_after_it(tmp_path_factory, eagle_head):
+def test_a_restarted_head_drafts_the_running_sequences_from_the_features_sent_after_it(tmp_path_factory, eagle_head,
+                                                                                      eagle_pair):
     """The drafter dies mid-generation and comes back. The target reopens the running sequences; the
     new drafter never gets the features of the positions committed before, which its head reads as
     zeros, and the Extends after the reopen carry exactly the rows it expects: none is refused, the
     drafts are verified again and the output stays the target's own.
-    The requests must outlast the restart (about 5 s on a slow machine): 150 tokens at 80 ms a step."""
+    The requests must outlast the restart (about 5 s on a slow machine): 150 tokens at 80 ms a step.
+    The other pair's target, the same model without the slow steps, gives the output alone."""
     draft_args, layout = eagle_head
+    alone = run_requests(eagle_pair[1].address, [greedy_request(p, 150, ignore_eos=True, speculate=False)
+                                                 for p in PROMPTS[:2]])
     draft, target = _pair(tmp_path_factory, "eagle3-restart", draft_args,
                           ["--sync-speculation", "--min-step-ms", "80", "--reconnect-max-seconds", "0.3"])
     requests = [greedy_request(p, 150, ignore_eos=True) for p in PROMPTS[:2]]
     try:
-        alone = run_requests(target.address, [greedy_request(p, 150, ignore_eos=True, speculate=False)
-                                              for p in PROMPTS[:2]])
         results = []
         worker = threading.Thread(target=lambda: results.extend(run_requests(target.address, requests)))
         worker.start()
