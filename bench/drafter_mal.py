@@ -123,7 +123,7 @@ async def replay(call: grpc.aio.StreamStreamCall, case: Case, seq_id: int, k: in
             start = len(case.prompt) + committed
             extend = pb.SequenceExtend(seq_id=seq_id, start=start, token_ids=new)
             if features is not None:
-                extend.hidden_start = max(0, start - 1) if committed else 0
+                extend.hidden_start = start - 1 if committed else 0
                 extend.hidden_states = features.layout.encode(
                     features.rows[extend.hidden_start : start + len(new) - 1])
             await call.write(pb.TargetUpdate(extends=[extend]))

@@ -97,3 +97,8 @@ class ServiceProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+    def restarted(self) -> "ServiceProcess":
+        """The same service started again, on the same ports and log, after this one was stopped."""
+        return ServiceProcess(self.module, self.args, port=self.port, metrics_port=self.metrics_port,
+                              log_path=self.log_path, tls=self.tls).start()

@@ -9,11 +9,10 @@ import pytest
 
 from service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape
 from tandem.hidden_states import FeatureLayout
-from tandem.launch import ServiceProcess
 from tandem.loaders import load_checkpoint
 from tandem.model.eagle3 import default_feature_layers
 from tandem.registry import resolve_model_path
-from test_service_pair import TWO_THREADS, _pair, _wait_connected
+from test_service_pair import TWO_THREADS, _pair, _restart_drafter
 from tiny_eagle3 import write_eagle3_head
 
 MAX_TOKENS = 24
@@ -100,11 +99,7 @@ def test_a_restarted_head_drafts_the_running_sequences_from_the_features_sent_af
         worker = threading.Thread(target=lambda: results.extend(run_requests(target.address, requests)))
         worker.start()
         time.sleep(1.0)
-        draft.kill()
-        _wait_connected(target, connected=False)
-        draft = ServiceProcess("draft_service", draft.args, port=draft.port, metrics_port=draft.metrics_port,
-                               log_path=draft.log_path).start().wait_healthy()
-        _wait_connected(target, connected=True)
+        draft = _restart_drafter(draft, target)
         before = scrape(target.metrics_url)
         worker.join(300)
         after, drafter = scrape(target.metrics_url), scrape(draft.metrics_url)

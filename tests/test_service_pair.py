@@ -34,6 +34,16 @@ def _wait_connected(target: ServiceProcess, connected: bool = True, timeout: flo
     raise AssertionError(f"tandem_drafter_connected did not become {int(connected)}")
 
 
+def _restart_drafter(draft: ServiceProcess, target: ServiceProcess) -> ServiceProcess:
+    """Kills the drafter, waits for the target to see it gone, starts it again and waits for the
+    target to reconnect: what the target's running sequences see of a drafter's crash and restart."""
+    draft.kill()
+    _wait_connected(target, connected=False)
+    draft = draft.restarted().wait_healthy()
+    _wait_connected(target, connected=True)
+    return draft
+
+
 def _pair_fixture(drafter: str, target_args: list[str] = (), draft_args: list[str] = ()):
     """A module-scoped pair with the given drafter, killed after the module."""
 
@@ -176,9 +186,7 @@ def test_drafter_killed_and_restarted(tmp_path_factory):
         _wait_connected(target, connected=False)
 
         before = metric(scrape(target.metrics_url), "tandem_spec_decode_num_accepted_tokens_total")
-        restarted = ServiceProcess("draft_service", draft.args, port=draft.port, metrics_port=draft.metrics_port,
-                                   log_path=draft.log_path).start().wait_healthy()
-        draft = restarted
+        draft = draft.restarted().wait_healthy()
         _wait_connected(target, connected=True)
         [again] = run_requests(target.address, [greedy_request(PROMPTS[4], 48)])
         assert again.token_ids == expected

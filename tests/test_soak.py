@@ -84,9 +84,7 @@ class Soak:
 
     def restart_drafter(self) -> None:
         self.draft.kill()
-        self.draft = ServiceProcess("draft_service", self.draft.args, port=self.draft.port,
-                                    metrics_port=self.draft.metrics_port, log_path=self.draft.log_path)
-        self.draft.start().wait_healthy(300)
+        self.draft = self.draft.restarted().wait_healthy(300)
         self.tally.drafter_restarts += 1
 
     async def one(self, stub) -> None:

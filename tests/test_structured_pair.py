@@ -25,7 +25,7 @@ from service_fixtures import call_error, greedy_request, metric, run_requests, s
 from tandem.launch import ServiceProcess
 from tandem.runtime import load_tokenizer
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2, structured_pb2
-from test_service_pair import TWO_THREADS, _pair, _pair_fixture, _wait_connected
+from test_service_pair import TWO_THREADS, _pair, _pair_fixture, _restart_drafter
 
 MAX_TOKENS = 400
 JSON_PROMPTS = load_json_prompts()
@@ -279,11 +279,7 @@ def test_constrained_requests_survive_a_drafter_restart_and_speculate_again(tmp_
             target.address, [greedy_request("Name some animals.", 300, structured_outputs=constraint)] * 2)))
         worker.start()
         time.sleep(0.5)
-        draft.kill()
-        _wait_connected(target, connected=False)
-        draft = ServiceProcess("draft_service", draft.args, port=draft.port, metrics_port=draft.metrics_port,
-                               log_path=draft.log_path).start().wait_healthy()
-        _wait_connected(target, connected=True)
+        draft = _restart_drafter(draft, target)
         before = _accepted(target)
         worker.join(300)
         assert [r.token_ids for r in results] == [reference.token_ids] * 2
