@@ -37,7 +37,12 @@ ngram_pair = _pair_fixture("ngram", ["--max-model-len", "1024", *TWO_THREADS])
 
 
 def _json_request(prompt, speculate: bool, temperature: float, seed: int) -> generation_pb2.GenerateRequest:
+    """Sampled with speculation, in drafter-invariant mode: its tokens are then the target alone's
+    for the same seed, so the test checks exactly the outputs it validated alone. In the default
+    mode only their distribution is the same (the choice chi-square below tests that), and an
+    unlucky draw may run whitespace up to MAX_TOKENS, which the JSON grammar allows."""
     request = greedy_request(prompt.messages[0][1], MAX_TOKENS, speculate=speculate, seed=seed,
+                             drafter_invariant=speculate and temperature > 0,
                              structured_outputs=structured_pb2.StructuredOutputs(json=json.dumps(prompt.schema)))
     request.sampling_params.temperature = temperature
     return request
@@ -47,9 +52,9 @@ def _accepted(target: ServiceProcess) -> float:
     return metric(scrape(target.metrics_url), "tandem_spec_decode_num_accepted_tokens_total")
 
 
-def _check_valid(results, temperature: float, speculate: bool) -> None:
+def _check_valid(results, temperature: float) -> None:
     for prompt, result in zip(JSON_PROMPTS, results):
-        context = f"{prompt.id} T={temperature} speculate={speculate}: {result.text!r}"
+        context = f"{prompt.id} T={temperature}: {result.text!r}"
         assert result.finish_reason == "stop", context
         jsonschema.validate(json.loads(result.text), prompt.schema)
 
@@ -70,17 +75,16 @@ def json_alone(ngram_pair) -> dict[float, list]:
 
 def test_every_output_of_the_target_alone_validates(json_alone):
     for temperature, results in json_alone.items():
-        _check_valid(results, temperature, speculate=False)
+        _check_valid(results, temperature)
 
 
 @pytest.mark.parametrize("pair", ["model_pair", "ngram_pair"])
-def test_every_output_validates_and_greedy_speculation_is_token_identical(pair, request, json_alone):
+def test_speculation_gives_the_validated_outputs_of_the_target_alone(pair, request, json_alone):
+    """Greedy, and sampled in drafter-invariant mode: token for token the outputs validated alone."""
     _, target = request.getfixturevalue(pair)
     before = _accepted(target)
-    speculative = _json_runs(target, speculate=True)
-    for temperature, results in speculative.items():
-        _check_valid(results, temperature, speculate=True)
-    assert [r.token_ids for r in speculative[0.0]] == [r.token_ids for r in json_alone[0.0]]
+    for temperature, results in _json_runs(target, speculate=True).items():
+        assert [r.token_ids for r in results] == [r.token_ids for r in json_alone[temperature]], temperature
     assert _accepted(target) > before, "no draft was accepted: speculation did not run"
 
 
