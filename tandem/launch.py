@@ -16,6 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.metrics_scrape import metric, scrape
 from tandem.tls import ClientTls
 
+POLL_BACKOFF_MS = 200  # how often wait_healthy's channel retries a service not yet listening
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -36,10 +38,17 @@ class ServiceProcess:
     tls: ClientTls | None = None  # how wait_healthy reaches a service started with --tls-cert
 
     def channel(self) -> grpc.Channel:
-        """A blocking channel to the service, over TLS when `tls` is set."""
+        """A blocking channel to the service, over TLS when `tls` is set.
+
+        It retries a refused connect every POLL_BACKOFF_MS, not on gRPC's default backoff (1 s, then
+        growing), which would find a service that started listening seconds late.
+        """
+        options = [("grpc.initial_reconnect_backoff_ms", POLL_BACKOFF_MS),
+                   ("grpc.min_reconnect_backoff_ms", POLL_BACKOFF_MS),
+                   ("grpc.max_reconnect_backoff_ms", POLL_BACKOFF_MS)]
         if self.tls is None:
-            return grpc.insecure_channel(self.address)
-        return grpc.secure_channel(self.address, self.tls.credentials())
+            return grpc.insecure_channel(self.address, options=options)
+        return grpc.secure_channel(self.address, self.tls.credentials(), options=options)
 
     @property
     def address(self) -> str:
