@@ -15,6 +15,10 @@ features (the layers the head's Info names, computed by one capturing forward of
 prompt and output) with each Extend. Such a head drafts nothing before the first Extend brings the
 prompt's features, so its first step commits one token without drafts, as other rows' steps may not.
 --drafters picks rows by name.
+
+The last row, `copy-oracle`, is no drafter but a bound on all that copy: computed in this process,
+it drafts at each step the continuation of whichever earlier occurrence of the last token (in the
+request or in an earlier case's output) matches the target's next tokens longest.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
 
 from bench.prompt_set import KINDS, load_prompts
@@ -40,6 +45,8 @@ from tandem.runtime import load_model
 from tandem.v1 import drafter_pb2 as pb
 from tandem.v1 import drafter_pb2_grpc
 from tandem.v1.structured_pb2 import StructuredOutputs
+
+COPY_ORACLE = "copy-oracle"  # the row of copy_oracle: a bound on lookup drafters, not a drafter
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +159,40 @@ async def measure(address: str, cases: list[Case], k: int,
     return result
 
 
+def copy_oracle(cases: list[Case], k: int) -> dict[str, float]:
+    """The MAL that no drafter copying earlier text can beat, replayed like `measure` in this process.
+
+    At each step it drafts, of all the earlier occurrences of the last committed token (in the
+    request's prompt and output so far, and in the earlier cases' outputs, which a suffix cache
+    holds), the continuation that agrees longest with the target's own next k tokens."""
+    steps: dict[str, int] = defaultdict(int)
+    tokens: dict[str, int] = defaultdict(int)
+    earlier: list[np.ndarray] = []
+    for case in cases:
+        committed = 0
+        while committed < len(case.output):
+            context = np.asarray(case.prompt + case.output[:committed])
+            truth = case.output[committed : committed + k]
+            accepted = max(_longest_copy(doc, context[-1], truth) for doc in (context[:-1], *earlier))
+            committed += min(accepted + 1, len(case.output) - committed)
+            steps[case.kind] += 1
+        tokens[case.kind] += len(case.output)
+        earlier.append(np.asarray(case.output))
+    result = {kind: tokens[kind] / steps[kind] for kind in KINDS if steps[kind]}
+    result["all"] = sum(tokens.values()) / max(1, sum(steps.values()))
+    return result
+
+
+def _longest_copy(doc: np.ndarray, last: int, truth: list[int]) -> int:
+    """How many of truth's tokens the best continuation of an occurrence of `last` in doc matches."""
+    best = 0
+    for follow in np.flatnonzero(doc[:-1] == last) + 1:
+        copied = doc[follow : follow + len(truth)].tolist()
+        matched = next((i for i, (c, t) in enumerate(zip(copied, truth)) if c != t), min(len(copied), len(truth)))
+        best = max(best, matched)
+    return best
+
+
 def variants(confidences: list[float], args: argparse.Namespace) -> dict[str, list[str]]:
     """Draft-service flags by row name."""
     rows = {"ngram": ["--drafter", "ngram"], "suffix": ["--drafter", "suffix"], "model": ["--drafter", "model"]}
@@ -201,8 +242,13 @@ def main(argv: list[str] | None = None) -> None:
     for name, flags in variants([float(s) for s in args.confidences.split(",") if s], args).items():
         if wanted is not None and name not in wanted:
             continue
-        mal = run_variant(flags, cases, args, log_dir / f"{name}.log")
-        print(f"| {name} | {' | '.join(f'{mal.get(kind, 0):.2f}' for kind in (*KINDS, 'all'))} |", flush=True)
+        print_row(name, run_variant(flags, cases, args, log_dir / f"{name}.log"))
+    if wanted is None or COPY_ORACLE in wanted:
+        print_row(COPY_ORACLE, copy_oracle(cases, args.k))
+
+
+def print_row(name: str, mal: dict[str, float]) -> None:
+    print(f"| {name} | {' | '.join(f'{mal.get(kind, 0):.2f}' for kind in (*KINDS, 'all'))} |", flush=True)
 
 
 if __name__ == "__main__":

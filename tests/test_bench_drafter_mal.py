@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from bench.drafter_mal import Case, measure
+from bench.drafter_mal import Case, copy_oracle, measure
 from tandem.launch import ServiceProcess
 
 
@@ -33,3 +33,17 @@ def test_a_mismatch_costs_the_rest_of_the_draft(suffix_drafter):
     # Steps: +200 (nothing to look up) | 201..204 accepted, +205 | 206 rejected, +7 | nothing after 7
     # before: +207 | 208..211 accepted, the output ends. 12 tokens in 5 steps.
     assert mal["code"] == pytest.approx(len(output) / 5)
+
+
+def test_the_copy_oracle_drafts_the_best_earlier_occurrence_not_the_most_frequent():
+    prompt = [1, 2, 3, 4, 5, 1, 2, 8, 9, 10, 1, 2, 8, 9, 11]  # after 1: "2 3 4 5" once, "2 8 9" twice
+    output = [1, 2, 3, 4, 5]
+    # Step 1: 11 never came before, +1. Step 2: of the three continuations of 1, "2 3 4 5" matches
+    # all four next tokens (the most frequent, "2 8 9 ..", only one): 4 accepted, the output ends.
+    assert copy_oracle([Case("rewrite", prompt, output)], k=4) == {"rewrite": 2.5, "all": 2.5}
+
+
+def test_the_copy_oracle_copies_from_earlier_outputs():
+    first = Case("chat", [20, 21], [7, 6, 5, 4])  # nothing to copy: a token a step
+    second = Case("code", [20, 21], [7, 6, 5, 4])  # +7, then the first output's "6 5 4"
+    assert copy_oracle([first, second], k=4) == {"chat": 1.0, "code": 2.0, "all": 8 / 6}
