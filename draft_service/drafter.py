@@ -72,13 +72,22 @@ class DraftSequence:
     key: SeqKey
     tokens: list[int]  # committed tokens, prompt included
     sampling: Sampling
-    k: int
+    k: int  # drafts per proposal: the Open's k, or what an Extend asked for since; 0 pauses drafting
     accepts_assumed: bool = False  # the target keeps pre-drafts (proposals with assumed_ids) for it
     closed: bool = False  # set on the event loop; a running round drops the sequence when it sees it
     constraint: Constraint | None = None  # structured output: drafts must follow it from constrained_from on
     constrained_from: int = 0
     grammar: SequenceGrammar | None = None  # the constraint compiled (grammars.py); the drafter's thread only
     features: SequenceFeatures | None = None  # the target's features, for a drafter that reads them
+    open_k: int = field(init=False)  # the Open's k: the most an Extend may ask for
+
+    def __post_init__(self) -> None:
+        self.open_k = self.k
+
+    @property
+    def paused(self) -> bool:
+        """The target verifies no drafts of this sequence's prefixes for now, and expects no answer."""
+        return self.k == 0
 
     @property
     def undraftable(self) -> bool:

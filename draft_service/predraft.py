@@ -207,6 +207,10 @@ class Predrafter:
             self._metrics.predraft_hits.inc()
         return covering is not None
 
+    def pause(self, sequence: DraftSequence) -> None:
+        """The target wants no drafts of this sequence for now: no proposal of it is current, none pending."""
+        self._make_current(self._states[sequence.key], None)
+
     def on_drafted(self, job: DraftJob, draft: Draft | None) -> None:
         """A fresh proposal was sent: if it still answers the newest tokens, the target verifies it next."""
         state = self._states.get(job.sequence.key)

@@ -10,7 +10,9 @@ salvages stale drafts by base_len.
 Every Open and Extend gets an answer, so that the target knows it need not wait: a round's drafts,
 or an empty proposal ("nothing for this prefix") for a refused Open, an Extend of a refused
 sequence, a job over the drafter's budget, or a round that failed; or, for a sequence whose target
-keeps pre-drafts, the pre-draft already sent for exactly the tokens the Extend committed.
+keeps pre-drafts, the pre-draft already sent for exactly the tokens the Extend committed. The
+exception is a paused sequence (an Extend set its k to 0): the target will verify no drafts of its
+prefixes, so it is neither drafted nor answered until an Extend asks for drafts again.
 
 Rounds are ordered: fresh prefixes, which no sent proposal covers, first, all in one batch; when
 none waits, the pre-drafts of the outcomes of the proposals the target is verifying (predraft.py),
@@ -245,8 +247,18 @@ class DraftScheduler:
             if sequence.features is not None:
                 sequence.features.rollback(msg.start)
             self._dirty[sequence.key] = sequence
+        if msg.HasField("k"):
+            self._set_k(sequence, msg.k)
         if msg.hidden_states:
             self._take_features(sequence, msg)
+
+    def _set_k(self, sequence: DraftSequence, k: int) -> None:
+        """The drafts per proposal the target now wants; the tokens of the Extend stand either way."""
+        if k > sequence.open_k:
+            raise InvalidUpdate("bad_k", f"k={k} is more than the Open's k={sequence.open_k}")
+        if sequence.paused and k:
+            self._dirty[sequence.key] = sequence  # drafting resumes from the committed tokens
+        sequence.k = k
 
     def _take_features(self, sequence: DraftSequence, msg: drafter_pb2.SequenceExtend) -> None:
         """The Extend's feature rows into the sequence; the tokens stand even when they are refused."""
@@ -333,7 +345,9 @@ class DraftScheduler:
                 continue
             committed = list(sequence.tokens)
             settled.append((sequence, committed))
-            if not self._predrafter.covers(sequence):
+            if sequence.paused:
+                self._predrafter.pause(sequence)
+            elif not self._predrafter.covers(sequence):
                 fresh.append(DraftJob(sequence, committed))
         self._dirty.clear()
         if fresh:

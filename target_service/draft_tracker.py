@@ -55,6 +55,8 @@ class DrafterState:
     seq: Sequence
     told_len: int = 0  # committed tokens the drafter has been told about; 0: not open on this stream
     told_at: float | None = None  # when it was last told, for the draft round trip
+    open_k: int = 0  # the k it was opened with: the most drafts per proposal an Extend may ask for
+    told_k: int = 0  # the drafts per proposal it was last asked for; 0: paused
     answered_len: int = 0  # the last prefix length the drafter answered, with drafts or none
     held: list[HeldProposal] = field(default_factory=list)  # oldest first
     # Feature rows not yet sent, for a drafter that reads them: contiguous from position features_from.
@@ -185,10 +187,12 @@ class DraftTracker:
         return plan.within(budget)
 
     def extend(self, seqs: list[Sequence]) -> None:
-        """Tell the drafter the tokens these sequences committed, in one update."""
+        """Tell the drafter the tokens these sequences committed, in one update, and how many drafts
+        the policy now wants of them (SpeculationPolicy.drafts_to_request) where that changed."""
         now = time.perf_counter()
         extends = []
         owed = False  # an answer: a fresh proposal, unless a held pre-draft covers the new prefix
+        wanted = self._drafts_wanted()
         for seq in [s for s in seqs if s.finish is None]:
             state = self._states[seq.seq_id]
             if state.told_len and len(seq.token_ids) > state.told_len:
@@ -198,10 +202,22 @@ class DraftTracker:
                     message.hidden_start = first
                     message.hidden_states = self.link.feature_layout.encode(rows)
                     self.metrics.hidden_state_bytes.inc(len(message.hidden_states))
+                k = min(wanted, state.open_k)
+                if k != state.told_k:
+                    message.k = state.told_k = k
                 extends.append(message)
                 state.told_len, state.told_at = len(seq.token_ids), now
-                owed |= not state.covers_committed()
+                if k == 0:  # paused: the drafter answers nothing, and no step waits for it
+                    state.answered_len = len(seq.token_ids)
+                owed |= k > 0 and not state.covers_committed()
         self._send(extends=extends, answer_owed=owed)
+
+    def _drafts_wanted(self) -> int:
+        """The drafts per sequence the policy wants for the running batch's next steps."""
+        running = [state.seq for state in self._states.values() if state.seq.finish is None]
+        wanted = self.policy.drafts_to_request(len(running), [self._cap(seq) for seq in running])
+        self.metrics.drafts_requested.set(wanted)
+        return wanted
 
     def keep_features(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
         """A step's features of seq's positions first.. (rows [R, layers, hidden]); the committed ones
@@ -285,8 +301,8 @@ class DraftTracker:
     def _open(self, state: DrafterState) -> drafter_pb2.SequenceOpen:
         seq = state.seq
         state.told_len, state.told_at = len(seq.token_ids), time.perf_counter()
-        return open_message(seq, min(seq.options.num_speculative_tokens, self.link.max_k),
-                            accepts_assumed=self.policy.accepts_predrafts)
+        state.open_k = state.told_k = min(seq.options.num_speculative_tokens, self.link.max_k)
+        return open_message(seq, state.open_k, accepts_assumed=self.policy.accepts_predrafts)
 
     def _send(self, opens: Collection[drafter_pb2.SequenceOpen] = (),
               extends: Collection[drafter_pb2.SequenceExtend] = (),

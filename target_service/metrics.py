@@ -71,6 +71,9 @@ class TargetMetrics:
         self.running = gauge("tandem_num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("tandem_num_requests_waiting", "Requests waiting for admission.")
         self.drafter_connected = gauge("tandem_drafter_connected", "1 while a compatible drafter is connected.")
+        self.drafts_requested = gauge(
+            "tandem_spec_decode_requested_drafts",
+            "Drafts per sequence the target last asked the drafter for; 0 while drafts would not pay (paused).")
         self._labels = labels
 
     def child(self, metric, **extra: str):

@@ -10,6 +10,7 @@ _MODEL_SMOOTHING = 0.02  # the same for the step-cost fit and alpha: slower, as 
 _MIN_SPREAD = 0.01  # tokens^2: below this variance of step sizes the cost slope would be noise
 _MIN_SECONDS = 1e-6  # keeps the fitted step time positive
 _EXPLORE_EVERY = 16  # one step in this many verifies one draft fewer than the best, or one
+_EXPLORE_LEAD = 3  # while drafts do not pay, the drafter drafts only for this many steps before each exploring one
 _SYNC_WAIT = 1.0  # synchronous speculation waits this long at most, so that a dead drafter can't stall us
 _PATIENCE_RTTS = 4  # a drafter that answers nothing for this many of its round trips is taken as hung
 
@@ -25,9 +26,14 @@ class SpeculationPolicy:
     drafts per sequence where the expected tokens per second are highest, from a fitted cost model
     of a step and the measured per-draft acceptance rate alpha.
 
-    The drafter answers every update, if only with nothing. When it has left an update unanswered
-    for longer than its patience (a few round trips, and at least the longest wait), it is taken
-    as hung or busy: steps stop waiting for it until it answers again."""
+    The drafter drafts only what the target may verify: drafts_to_request asks for one more draft
+    than the best k, and for none while drafts do not pay (but for the steps before each exploring
+    step), so that a drafter whose drafts would go unused does not compete with the target for
+    the machine.
+
+    The drafter answers every update that asks for drafts, if only with nothing. When it has left
+    an update unanswered for longer than its patience (a few round trips, and at least the longest
+    wait), it is taken as hung or busy: steps stop waiting for it until it answers again."""
 
     admission_ends_wait = True  # a request to admit ends a wait for drafts: waiting never delays a prefill
     drafts_before_publish = False  # committed tokens go to clients at once, without waiting for the next drafts
@@ -92,15 +98,40 @@ class SpeculationPolicy:
         return max(mean_t - per_token * mean_n, _MIN_SECONDS), per_token
 
     def draft_limit(self, batch_size: int, available: list[int]) -> int:
-        """The drafts per sequence, k, that maximize a step's expected tokens per second.
+        """The drafts per sequence, k, that maximize a step's expected tokens per second (_best_limit).
 
-        Sequence i verifies min(k, available[i]) drafts, whose j-th is accepted with probability
-        alpha**j, so the rate is (B + sum_i sum_{j <= min(k, a_i)} alpha**j) / step seconds, and a
-        step over n tokens takes fixed + per_token * n seconds by the fitted cost_model.
         One step in _EXPLORE_EVERY verifies one draft per sequence fewer than the best k, or one
         when the best is none: steps of one size would leave the cost per token unmeasured, and
         verifying none, alpha, so a costlier batch or a better drafter would go unnoticed.
         """
+        best = self._best_limit(batch_size, available)
+        if self._steps_to_explore() == 0:
+            return best - 1 if best else min(1, max(available, default=0))
+        return best
+
+    def drafts_to_request(self, batch_size: int, caps: list[int]) -> int:
+        """The drafts per sequence to ask the drafter for from now on (0: none), given what each of the
+        batch's sequences could verify.
+
+        One more than the best k when drafts pay, so that the policy sees when a longer draft would
+        pay too. None when they do not, except for the few steps before an exploring step, which
+        verifies one: it keeps alpha and the cost per token measured, so that a drafter that gets
+        better, or a cheaper batch, is noticed.
+        """
+        most = max(caps, default=0)
+        best = self._best_limit(batch_size, caps)
+        if best:
+            return min(best + 1, most)
+        return min(1, most) if self._steps_to_explore() < _EXPLORE_LEAD else 0
+
+    def _steps_to_explore(self) -> int:
+        """Steps before the next exploring one; 0: the next step explores."""
+        return (_EXPLORE_EVERY - 1 - self._steps) % _EXPLORE_EVERY
+
+    def _best_limit(self, batch_size: int, available: list[int]) -> int:
+        """Sequence i verifies min(k, available[i]) drafts, whose j-th is accepted with probability
+        alpha**j, so the rate is (B + sum_i sum_{j <= min(k, a_i)} alpha**j) / step seconds, and a
+        step over n tokens takes fixed + per_token * n seconds by the fitted cost_model."""
         most = max(available, default=0)
         alpha, (fixed, per_token) = self.alpha, self.cost_model()
         tokens, expected = batch_size, float(batch_size)
@@ -112,8 +143,6 @@ class SpeculationPolicy:
             rate = expected / (fixed + per_token * tokens)
             if rate > best_rate:
                 best, best_rate = k, rate
-        if self._steps % _EXPLORE_EVERY == _EXPLORE_EVERY - 1:  # the last of each _EXPLORE_EVERY
-            return best - 1 if best else min(1, most)
         return best
 
     def wait_bound(self) -> float:
@@ -149,6 +178,9 @@ class SyncPolicy(SpeculationPolicy):
 
     def draft_limit(self, batch_size: int, available: list[int]) -> int:
         return max(available, default=0)
+
+    def drafts_to_request(self, batch_size: int, caps: list[int]) -> int:
+        return max(caps, default=0)
 
     def wait_bound(self) -> float:
         return _SYNC_WAIT

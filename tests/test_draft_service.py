@@ -315,6 +315,35 @@ async def test_every_open_and_extend_is_answered_even_with_nothing(model_server,
             assert list((await stream.proposal(seq_id, MAX_MODEL_LEN + 1 + (seq_id == 1))).token_ids) == []
 
 
+async def test_an_extend_can_pause_drafting_and_ask_for_fewer_drafts(model_server, reference):
+    """k=0 on an Extend: nothing drafted or answered for the sequence until an Extend asks again;
+    k above the Open's is refused, and the Extend's tokens stand."""
+    prompt = reference.tokenizer.encode("The capital of France is")
+    other_prompt = reference.tokenizer.encode("One, two, three,")
+    n = len(prompt)
+    greedy = greedy_generate(reference.model, prompt, K + 4)
+    async with speculate(model_server) as stream:
+        await stream.send(opens=[_open(1, prompt), _open(2, other_prompt)])
+        await stream.proposal(1)
+        other = await stream.proposal(2)
+        proposals = _metric(model_server, "tandem_draft_proposals_total")
+        paused = pb.SequenceExtend(seq_id=1, start=n, token_ids=greedy[:2], k=0)
+        await stream.send(extends=[paused, _extend(2, len(other_prompt), list(other.token_ids[:1]))])
+        await stream.proposal(2, len(other_prompt) + 1)  # the same update's other sequence was answered
+        await stream.send(extends=[_extend(1, n + 2, greedy[2:3])])  # still paused: k was not set again
+        await stream.send(extends=[_extend(2, len(other_prompt) + 1, [5])])
+        await stream.proposal(2, len(other_prompt) + 2)
+        assert _metric(model_server, "tandem_draft_proposals_total") == proposals + 2
+        assert [p for p in stream.received if p.seq_id == 1] == []
+
+        bad_k = _metric(model_server, "tandem_draft_invalid_updates_total", reason="bad_k")
+        await stream.send(extends=[pb.SequenceExtend(seq_id=1, start=n + 3, token_ids=greedy[3:4], k=K + 1)])
+        await stream.send(extends=[pb.SequenceExtend(seq_id=1, start=n + 4, token_ids=[], k=2)])
+        resumed = await stream.proposal(1)
+        assert (resumed.base_len, list(resumed.token_ids)) == (n + 4, greedy[4:6])
+        assert _metric(model_server, "tandem_draft_invalid_updates_total", reason="bad_k") == bad_k + 1
+
+
 PHRASE = " the quick brown fox jumps over the lazy dog"
 
 

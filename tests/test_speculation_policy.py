@@ -151,3 +151,60 @@ def test_a_batch_whose_steps_all_look_alike_still_learns_what_drafts_cost():
 def test_synchronous_speculation_verifies_every_draft_whatever_it_costs():
     policy = _fitted(fixed=0.010, per_token=0.004, alpha=0.0, sync=True)
     assert _limits(policy, 16, 16, [5, 2] + [0] * 14, fixed=0.010, per_token=0.004) == [5] * 16
+
+
+def _requests(policy: SpeculationPolicy, steps: int, batch_size: int, caps: list[int],
+              fixed: float, per_token: float) -> list[tuple[int, int]]:
+    """(drafts asked of the drafter after the step, the next step's draft limit) over `steps` steps,
+    each verifying what it may of `caps` drafts and observed at the cost fixed + per_token * n."""
+    pairs = []
+    for _ in range(steps):
+        requested = policy.drafts_to_request(batch_size, caps)
+        limit = policy.draft_limit(batch_size, caps)
+        pairs.append((requested, limit))
+        n = batch_size + sum(min(limit, c) for c in caps)
+        policy.observe_step(n, fixed + per_token * n)
+    return pairs
+
+
+def test_while_drafts_pay_the_drafter_is_asked_for_one_more_than_the_best_k_up_to_the_cap():
+    policy = _fitted(fixed=0.030, per_token=0.0005, alpha=0.7)
+    assert {requested for requested, _ in _requests(policy, 32, 1, [5], 0.030, 0.0005)} == {5}  # best is 5: the cap
+    policy = _fitted(fixed=0.030, per_token=0.002, alpha=0.7)
+    pairs = _requests(policy, 32, 4, [8] * 4, fixed=0.030, per_token=0.002)
+    best = max(limit for _, limit in pairs)
+    assert 0 < best < 7
+    assert sorted(limit for _, limit in pairs) == [best - 1] * 2 + [best] * 30  # an exploring step: one fewer
+    assert {requested for requested, _ in pairs} == {best + 1}
+
+
+def test_while_no_drafts_pay_the_drafter_is_paused_but_for_the_steps_before_each_exploring_one():
+    policy = _fitted(fixed=0.010, per_token=0.004, alpha=0.3)
+    pairs = _requests(policy, 64, 16, [5] * 16, fixed=0.010, per_token=0.004)
+    explored = [i for i, (_, limit) in enumerate(pairs) if limit]
+    assert len(explored) == 4 and [pairs[i][1] for i in explored] == [1] * 4
+    asked = [i for i, (requested, _) in enumerate(pairs) if requested]
+    assert [pairs[i][0] for i in asked] == [1] * len(asked)
+    # Asked after each of the three steps before an exploring step, and at no other time.
+    assert asked == sorted(i - lead for i in explored for lead in (0, 1, 2) if i - lead >= 0)
+    assert sum(requested for requested, _ in pairs) / len(pairs) < 0.2
+
+
+def test_synchronous_speculation_always_asks_for_every_draft_it_can_verify():
+    policy = _fitted(fixed=0.010, per_token=0.004, alpha=0.0, sync=True)
+    assert {requested for requested, _ in _requests(policy, 16, 16, [5, 2] + [0] * 14, 0.010, 0.004)} == {5}
+
+
+def test_a_paused_drafter_is_asked_again_once_the_exploring_steps_find_its_drafts_good():
+    policy = _fitted(fixed=0.010, per_token=0.004, alpha=0.1)
+    assert sorted(requested for requested, _ in _requests(policy, 16, 1, [4], 0.010, 0.004)) == [0] * 13 + [1] * 3
+    resumed_after = None
+    for step in range(16 * 40):
+        limit = policy.draft_limit(1, [4])
+        if limit:
+            policy.observe_verify(limit, limit)  # the exploring step's draft is accepted
+        policy.observe_step(1 + limit, 0.010 + 0.004 * (1 + limit))
+        if policy.drafts_to_request(1, [4]) >= 2:
+            resumed_after = step
+            break
+    assert resumed_after is not None and resumed_after > 16  # it took several exploring steps

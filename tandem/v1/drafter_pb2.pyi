@@ -66,18 +66,20 @@ class SequenceOpen(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., k: _Optional[int] = ..., accepts_assumed: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_structured_pb2.StructuredOutputs, _Mapping]] = ..., constrained_from: _Optional[int] = ...) -> None: ...
 
 class SequenceExtend(_message.Message):
-    __slots__ = ("seq_id", "start", "token_ids", "hidden_states", "hidden_start")
+    __slots__ = ("seq_id", "start", "token_ids", "hidden_states", "hidden_start", "k")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_START_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden_states: bytes
     hidden_start: int
-    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ..., hidden_start: _Optional[int] = ...) -> None: ...
+    k: int
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ..., hidden_start: _Optional[int] = ..., k: _Optional[int] = ...) -> None: ...
 
 class SequenceClose(_message.Message):
     __slots__ = ("seq_id",)
