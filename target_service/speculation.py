@@ -9,8 +9,9 @@ _SMOOTHING = 0.1  # weight of the newest observation in the moving averages
 _MODEL_SMOOTHING = 0.02  # the same for the step-cost fit and alpha: slower, as they steer every step
 _MIN_SPREAD = 0.01  # tokens^2: below this variance of step sizes the cost slope would be noise
 _MIN_SECONDS = 1e-6  # keeps the fitted step time positive
-_EXPLORE_EVERY = 16  # one step in this many verifies one draft fewer than the best, or one
-_EXPLORE_LEAD = 3  # while drafts do not pay, the drafter drafts only for this many steps before each exploring one
+_EXPLORE_EVERY = 16  # while drafts pay, one step in this many verifies one draft fewer than the best
+_EXPLORE_PAUSED_EVERY = 64  # while none pay, one step in this many verifies one, to notice when they would
+_EXPLORE_LEAD = 3  # while none pay, the drafter drafts only for this many steps before each exploring one
 _SYNC_WAIT = 1.0  # synchronous speculation waits this long at most, so that a dead drafter can't stall us
 _PATIENCE_RTTS = 4  # a drafter that answers nothing for this many of its round trips is taken as hung
 
@@ -47,6 +48,7 @@ class SpeculationPolicy:
         self._unanswered_since: float | None = None  # the first update sent since the drafter's last answer
         self._steps = 0
         self._fit = [0.0] * 5  # exponentially weighted sums of 1, n, t, n*n, n*t over steps
+        self._per_token = 0.0  # the last cost per token the fit could measure; 0 until it could
         self._accepted = self._judged = 1.0  # alpha = 1 until measured, so that drafts get tried
 
     def observe_verify(self, num_accepted: int, num_drafts: int) -> None:
@@ -66,6 +68,10 @@ class SpeculationPolicy:
         keep = 1 - _MODEL_SMOOTHING
         sample = (1.0, num_tokens, seconds, num_tokens * num_tokens, num_tokens * seconds)
         self._fit = [keep * total + x for total, x in zip(self._fit, sample)]
+        w, n, t, nn, nt = self._fit
+        spread = nn / w - (n / w) ** 2
+        if spread > _MIN_SPREAD:
+            self._per_token = max(0.0, (nt / w - n / w * t / w) / spread)
 
     def observe_draft_rtt(self, seconds: float) -> None:
         self.mean_rtt += _SMOOTHING * (seconds - self.mean_rtt)
@@ -88,25 +94,29 @@ class SpeculationPolicy:
         """(fixed, per_token) seconds of a step, fitted by exponentially weighted least squares.
 
         Until the steps seen differ in size, extra tokens look free, so that speculation gets tried.
+        Once measured, the cost per token is kept while the recent steps are all alike (as while
+        no draft pays): steps of one size say nothing about it, and forgetting it would make
+        drafts look free again.
         """
-        w, n, t, nn, nt = self._fit
+        w, n, t, _, _ = self._fit
         if w == 0:
             return _MIN_SECONDS, 0.0
-        mean_n, mean_t = n / w, t / w
-        spread = nn / w - mean_n * mean_n
-        per_token = max(0.0, (nt / w - mean_n * mean_t) / spread) if spread > _MIN_SPREAD else 0.0
-        return max(mean_t - per_token * mean_n, _MIN_SECONDS), per_token
+        return max(t / w - self._per_token * n / w, _MIN_SECONDS), self._per_token
 
     def draft_limit(self, batch_size: int, available: list[int]) -> int:
         """The drafts per sequence, k, that maximize a step's expected tokens per second (_best_limit).
 
-        One step in _EXPLORE_EVERY verifies one draft per sequence fewer than the best k, or one
-        when the best is none: steps of one size would leave the cost per token unmeasured, and
-        verifying none, alpha, so a costlier batch or a better drafter would go unnoticed.
+        One step in _EXPLORE_EVERY verifies one draft per sequence fewer than the best k, and
+        while the best is none, one step in _EXPLORE_PAUSED_EVERY verifies one: steps of one size
+        would leave the cost per token unmeasured, and verifying none, alpha, so a costlier batch
+        or a better drafter would go unnoticed. Exploring costs a step's worth of drafts that do
+        not pay, hence less often while none do.
         """
         best = self._best_limit(batch_size, available)
-        if self._steps_to_explore() == 0:
-            return best - 1 if best else min(1, max(available, default=0))
+        if best and self._steps_to_explore(_EXPLORE_EVERY) == 0:
+            return best - 1
+        if not best and self._steps_to_explore(_EXPLORE_PAUSED_EVERY) == 0:
+            return min(1, max(available, default=0))
         return best
 
     def drafts_to_request(self, batch_size: int, caps: list[int]) -> int:
@@ -122,11 +132,11 @@ class SpeculationPolicy:
         best = self._best_limit(batch_size, caps)
         if best:
             return min(best + 1, most)
-        return min(1, most) if self._steps_to_explore() < _EXPLORE_LEAD else 0
+        return min(1, most) if self._steps_to_explore(_EXPLORE_PAUSED_EVERY) < _EXPLORE_LEAD else 0
 
-    def _steps_to_explore(self) -> int:
-        """Steps before the next exploring one; 0: the next step explores."""
-        return (_EXPLORE_EVERY - 1 - self._steps) % _EXPLORE_EVERY
+    def _steps_to_explore(self, every: int) -> int:
+        """Steps before the next exploring one, one step in `every`; 0: the next step explores."""
+        return (every - 1 - self._steps) % every
 
     def _best_limit(self, batch_size: int, available: list[int]) -> int:
         """Sequence i verifies min(k, available[i]) drafts, whose j-th is accepted with probability

@@ -84,7 +84,7 @@ def test_a_drafter_whose_drafts_never_pay_is_paused_but_still_explored(wrong_pai
     after = asked[paused_from:]
     assert len(after) >= 48, f"paused only after {paused_from} steps"
     share = sum(k > 0 for k in after) / len(after)
-    assert 0 < share <= 0.25, f"asked for drafts on {share:.0%} of the steps after the pause: {after}"
+    assert 0 < share <= 0.1, f"asked for drafts on {share:.0%} of the steps after the pause: {after}"
     assert set(after) <= {0, 1}  # an exploring step verifies one draft
     samples = scrape(target.metrics_url)
     assert metric(samples, "tandem_spec_decode_requested_drafts") in (0, 1)
