@@ -31,6 +31,14 @@ def smollm2_checkpoint(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path):
+    """transformers' own tokenizer from the same GGUF file (slow to build: one per session)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
     """transformers' own loading of the same GGUF file: the oracle."""
     from transformers import AutoModelForCausalLM

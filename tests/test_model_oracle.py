@@ -18,12 +18,9 @@ CHAT = [
 
 
 @pytest.fixture(scope="module")
-def chat_prompt_ids(smollm2_path) -> list[int]:
+def chat_prompt_ids(hf_smollm2_tokenizer) -> list[int]:
     """A 64-token chat prompt, tokenized by transformers so that only the model is under test."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
-    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = hf_smollm2_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert len(ids) >= 64, len(ids)
     return list(ids[-64:])
 

@@ -44,10 +44,8 @@ def ours(smollm2_path: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2_path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+def hf(hf_smollm2_tokenizer):
+    return hf_smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
