@@ -49,6 +49,7 @@ class SpeculationPolicy:
         self._steps = 0
         self._fit = [0.0] * 5  # exponentially weighted sums of 1, n, t, n*n, n*t over steps
         self._per_token = 0.0  # the last cost per token the fit could measure; 0 until it could
+        self._paused = False  # the drafter was last asked for no drafts beyond exploring (drafts_to_request)
         self._accepted = self._judged = 1.0  # alpha = 1 until measured, so that drafts get tried
 
     def observe_verify(self, num_accepted: int, num_drafts: int) -> None:
@@ -130,6 +131,7 @@ class SpeculationPolicy:
         """
         most = max(caps, default=0)
         best = self._best_limit(batch_size, caps)
+        self._paused = not best
         if best:
             return min(best + 1, most)
         return min(1, most) if self._steps_to_explore(_EXPLORE_PAUSED_EVERY) < _EXPLORE_LEAD else 0
@@ -156,6 +158,11 @@ class SpeculationPolicy:
         return best
 
     def wait_bound(self) -> float:
+        """While the drafter is paused, the exploring step waits up to --draft-wait-ms for its one
+        draft: without it the step measures nothing, and a drafter whose answers come later than
+        a step would stay paused for good."""
+        if self._paused and self._steps_to_explore(_EXPLORE_PAUSED_EVERY) == 0:
+            return self.max_wait
         bound = min(self.max_wait, self.mean_accepted * self.mean_step)
         return bound if self.mean_rtt <= bound else 0.0
 

@@ -167,7 +167,9 @@ def test_ttft_does_not_wait_for_a_slow_drafter(tmp_path_factory):
 
 
 def test_drafter_killed_and_restarted(tmp_path_factory):
-    draft, target = _pair(tmp_path_factory, "faults", ["--drafter", "ngram"], ["--max-num-seqs", "4"])
+    # The step floor makes drafts pay here too (see the hung-drafter test): speculation must be seen to resume.
+    draft, target = _pair(tmp_path_factory, "faults", ["--drafter", "ngram"],
+                          ["--max-num-seqs", "4", "--min-step-ms", "50"])
     try:
         [reference] = run_requests(target.address, [greedy_request(PROMPTS[4], 48, speculate=False)])
         import threading
@@ -198,8 +200,13 @@ def test_drafter_killed_and_restarted(tmp_path_factory):
 
 
 def test_a_hung_drafter_makes_no_step_wait_and_speculation_resumes_when_it_answers(tmp_path_factory):
-    """SIGSTOP: the drafter stays connected but answers nothing. Steps must soon stop waiting for it."""
-    draft, target = _pair(tmp_path_factory, "hung", ["--drafter", "ngram"], ["--draft-wait-ms", "50"])
+    """SIGSTOP: the drafter stays connected but answers nothing. Steps must soon stop waiting for it.
+
+    The target's 50 ms step floor stands in for a target whose steps make drafts pay: on a CPU
+    where a verify costs several decode steps the policy would pause the drafter, and a 48-token
+    request might then hold no exploring step (one in 64) to show that speculation resumed."""
+    draft, target = _pair(tmp_path_factory, "hung", ["--drafter", "ngram"],
+                          ["--draft-wait-ms", "50", "--min-step-ms", "50"])
     request = greedy_request(PROMPTS[4], 48, ignore_eos=True)
     try:
         [alone] = run_requests(target.address, [greedy_request(PROMPTS[4], 48, ignore_eos=True, speculate=False)])

@@ -216,3 +216,15 @@ def test_a_paused_drafter_is_asked_again_once_the_exploring_steps_find_its_draft
             resumed_after = step
             break
     assert resumed_after is not None and resumed_after > 64  # it took several exploring steps
+
+
+def test_while_paused_the_exploring_step_waits_for_its_draft_and_no_other_step_does():
+    policy = _fitted(fixed=0.010, per_token=0.004, alpha=0.3)
+    for _ in range(200):
+        policy.observe_draft_rtt(0.030)  # later than drafts are worth: no step waits for them
+    bounds = []
+    for _ in range(128):
+        policy.drafts_to_request(16, [5] * 16)  # sent with the Extends after each step
+        bounds.append((policy.draft_limit(16, [5] * 16), policy.wait_bound()))
+        policy.observe_step(16 + bounds[-1][0] * 16, 0.010 + 0.004 * (16 + bounds[-1][0] * 16))
+    assert sorted(bounds) == [(0, 0.0)] * 126 + [(1, pytest.approx(0.050))] * 2  # --draft-wait-ms 50
