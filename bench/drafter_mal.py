@@ -154,6 +154,11 @@ async def measure(address: str, cases: list[Case], k: int,
             steps[case.kind] += s
             tokens[case.kind] += t
         call.cancel()
+    return mal_by_kind(steps, tokens)
+
+
+def mal_by_kind(steps: dict[str, int], tokens: dict[str, int]) -> dict[str, float]:
+    """Tokens committed per verify step, per prompt kind and over all."""
     result = {kind: tokens[kind] / steps[kind] for kind in KINDS if steps[kind]}
     result["all"] = sum(tokens.values()) / max(1, sum(steps.values()))
     return result
@@ -178,9 +183,7 @@ def copy_oracle(cases: list[Case], k: int) -> dict[str, float]:
             steps[case.kind] += 1
         tokens[case.kind] += len(case.output)
         earlier.append(np.asarray(case.output))
-    result = {kind: tokens[kind] / steps[kind] for kind in KINDS if steps[kind]}
-    result["all"] = sum(tokens.values()) / max(1, sum(steps.values()))
-    return result
+    return mal_by_kind(steps, tokens)
 
 
 def _longest_copy(doc: np.ndarray, last: int, truth: list[int]) -> int:
