@@ -25,7 +25,7 @@ demo: install
 	$(PY) -m tandem.demo
 
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=15
 
 test-all: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m ''

@@ -3,8 +3,8 @@
 the target-alone tokens, no sequence state is left on either service, RSS stays flat, and the
 target's counters agree with what the clients saw.
 
-The short version (40 s of load) runs in CI; `TANDEM_SOAK_MINUTES=10 pytest -m slow
-tests/test_soak.py` runs the long one.
+Both are `-m slow`, kept out of `make test` for its time budget: `pytest -m slow tests/test_soak.py`
+runs the short version (40 s of load) and the long one, `TANDEM_SOAK_MINUTES=10` long.
 """
 from __future__ import annotations
 
@@ -242,6 +242,7 @@ def drain(soak: Soak) -> None:
     assert drafting == 0
 
 
+@pytest.mark.slow
 def test_soak_short(tmp_path):
     run_soak(tmp_path, seconds=40.0)  # a 10 s warm-up, then 30 s with one drafter restart at 20 s
 
