@@ -1,7 +1,7 @@
 """A step's draft plan: the drafts each running sequence verifies, decided once per step.
 
 DraftTracker.plan matches each sequence's proposals once and cuts them to the sequence's cap;
-DraftTracker.take cuts them to the step's budget. The runner, the wait, the step's metrics and the
+DraftTracker.take cuts them to the step's budget for each. The runner, the wait, the step's metrics and the
 usage accounting all read the plan; nothing matches drafts again later in the step.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from target_service.drafts import HeldProposal, UsableDrafts
 from target_service.sequence import Sequence
+from target_service.speculation import DraftRecord
 from target_service.step import VerifyItem
 
 
@@ -47,6 +48,10 @@ class DraftPlan:
         return [e.seq for e in self.entries]
 
     @property
+    def records(self) -> list[DraftRecord]:
+        return [e.seq.draft_record for e in self.entries]
+
+    @property
     def caps(self) -> list[int]:
         return [e.cap for e in self.entries]
 
@@ -64,9 +69,10 @@ class DraftPlan:
         """Rows of the step's forward pass: each sequence's last token and its drafts."""
         return sum(1 + e.num_drafts for e in self.entries)
 
-    def within(self, budget: int) -> DraftPlan:
-        """The same plan with at most `budget` drafts per sequence."""
-        return DraftPlan(tuple(replace(e, drafts=e.drafts.first(budget)) if e.drafts else e for e in self.entries))
+    def within(self, budgets: list[int]) -> DraftPlan:
+        """The same plan with at most budgets[i] drafts for sequence i."""
+        return DraftPlan(tuple(replace(e, drafts=e.drafts.first(budget)) if e.drafts else e
+                               for e, budget in zip(self.entries, budgets, strict=True)))
 
     def verify_items(self) -> list[VerifyItem]:
         return [e.verify_item() for e in self.entries]

@@ -160,14 +160,14 @@ class DraftTracker:
         """Each sequence's drafts, matched once and cut to its cap; no metrics yet, so it may be redone."""
         return DraftPlan(tuple(self._planned(self._states[seq.seq_id]) for seq in seqs))
 
-    def take(self, plan: DraftPlan, budget: int) -> DraftPlan:
-        """The drafts the step verifies: at most `budget` per sequence. Counts misses and stale proposals.
+    def take(self, plan: DraftPlan, budgets: list[int]) -> DraftPlan:
+        """The drafts the step verifies: at most budgets[i] for sequence i. Counts misses and stale proposals.
 
-        A sequence with no draft is a miss; one that the budget held to none is not. A proposal
+        A sequence with no draft is a miss; one that its budget held to none is not. A proposal
         that the committed tokens contradict is dropped.
         """
         m = self.metrics
-        for entry in plan.entries:
+        for entry, budget in zip(plan.entries, budgets, strict=True):
             state = self._states[entry.seq.seq_id]
             m.draft_cache_held.observe(len(state.held))
             evicted = state.evict()
@@ -184,7 +184,7 @@ class DraftTracker:
                     m.draft_cache_hits.inc()
                 if entry.drafts.salvaged:
                     m.child(m.draft_stale, outcome="salvaged").inc()
-        return plan.within(budget)
+        return plan.within(budgets)
 
     def extend(self, seqs: list[Sequence]) -> None:
         """Tell the drafter the tokens these sequences committed, in one update, and how many drafts
@@ -202,7 +202,7 @@ class DraftTracker:
                     message.hidden_start = first
                     message.hidden_states = self.link.feature_layout.encode(rows)
                     self.metrics.hidden_state_bytes.inc(len(message.hidden_states))
-                k = min(wanted, state.open_k)
+                k = min(wanted.get(seq.seq_id, 0), state.open_k)
                 if k != state.told_k:
                     message.k = state.told_k = k
                 extends.append(message)
@@ -212,12 +212,13 @@ class DraftTracker:
                 owed |= k > 0 and not state.covers_committed()
         self._send(extends=extends, answer_owed=owed)
 
-    def _drafts_wanted(self) -> int:
-        """The drafts per sequence the policy wants for the running batch's next steps."""
+    def _drafts_wanted(self) -> dict[int, int]:
+        """The drafts the policy wants of each running sequence (by seq_id) for its next steps."""
         running = [state.seq for state in self._states.values() if state.seq.finish is None]
-        wanted = self.policy.drafts_to_request(len(running), [self._cap(seq) for seq in running])
-        self.metrics.drafts_requested.set(wanted)
-        return wanted
+        wanted = self.policy.drafts_to_request([seq.draft_record for seq in running],
+                                               [self._cap(seq) for seq in running])
+        self.metrics.drafts_requested.set(sum(wanted) / len(wanted) if wanted else 0)
+        return {seq.seq_id: k for seq, k in zip(running, wanted)}
 
     def keep_features(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
         """A step's features of seq's positions first.. (rows [R, layers, hidden]); the committed ones

@@ -189,7 +189,7 @@ class Engine:
     async def _schedule(self, decoding: list[Sequence]) -> DraftPlan:
         """Each sequence's drafts: matched, waited for where missing (bounded), cut to the step's budget."""
         plan = await self._wait_for_drafts(self.tracker.plan(decoding))
-        return self.tracker.take(plan, self.policy.draft_limit(len(decoding), plan.available))
+        return self.tracker.take(plan, self.policy.draft_limits(plan.records, plan.available))
 
     async def _wait_for_drafts(self, plan: DraftPlan) -> DraftPlan:
         """Wait a bounded time while the plan awaits drafts; returns the plan as the wait leaves it.
@@ -198,7 +198,7 @@ class Engine:
         nor while the drafter has left an update unanswered past its patience (hung or busy).
         A request to admit ends the wait when the policy says so: waiting then never delays a prefill.
         """
-        if not plan.awaiting or self.policy.draft_limit(len(plan.entries), plan.caps) == 0:
+        if not plan.awaiting or not any(self.policy.draft_limits(plan.records, plan.caps)):
             return plan
         started = time.perf_counter()
         deadline = self.policy.wait_deadline(started)
@@ -265,8 +265,8 @@ class Engine:
         """
         if not entry.num_drafts:
             return
-        self.policy.observe_verify(result.num_accepted, entry.num_drafts)
         seq, accepted = entry.seq, output.num_accepted
+        self.policy.observe_verify(result.num_accepted, entry.num_drafts, seq.draft_record)
         seq.draft_tokens += entry.num_drafts
         seq.draft_steps += 1
         seq.accepted_tokens += accepted

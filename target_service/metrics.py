@@ -73,7 +73,7 @@ class TargetMetrics:
         self.drafter_connected = gauge("tandem_drafter_connected", "1 while a compatible drafter is connected.")
         self.drafts_requested = gauge(
             "tandem_spec_decode_requested_drafts",
-            "Drafts per sequence the target last asked the drafter for; 0 while drafts would not pay (paused).")
+            "Drafts per sequence the target last asked the drafter for, the batch's mean; 0 while none would pay.")
         self._labels = labels
 
     def child(self, metric, **extra: str):

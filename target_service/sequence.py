@@ -12,6 +12,7 @@ import logging
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.structured import Constraint
 from tandem.structured.grammar import Matcher
+from target_service.speculation import DraftRecord
 from target_service.stops import StopChecker
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class Sequence:
     draft_tokens: int = 0  # usage: drafts verified, in how many steps, and how many were committed
     draft_steps: int = 0
     accepted_tokens: int = 0
+    draft_record: DraftRecord = field(default_factory=DraftRecord)  # the verifier's verdicts, for its own alpha
     admitted_at: float | None = None
     last_token_at: float | None = None
     finish: FinishReason | None = None

@@ -3,6 +3,8 @@
 SyncPolicy is the blocking baseline that benchmarks compare against (--sync-speculation)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from target_service.config import TargetConfig
 
 _SMOOTHING = 0.1  # weight of the newest observation in the moving averages
@@ -14,6 +16,30 @@ _EXPLORE_PAUSED_EVERY = 64  # while none pay, one step in this many verifies one
 _EXPLORE_LEAD = 3  # while none pay, the drafter drafts only for this many steps before each exploring one
 _SYNC_WAIT = 1.0  # synchronous speculation waits this long at most, so that a dead drafter can't stall us
 _PATIENCE_RTTS = 4  # a drafter that answers nothing for this many of its round trips is taken as hung
+_PRIOR_JUDGED = 4.0  # a sequence's own alpha starts as the batch's, worth this many judged drafts
+_SEQUENCE_SMOOTHING = 1 / 16  # weight of a sequence's newest verification in its own record
+
+
+def _judged(num_accepted: int, num_drafts: int) -> int:
+    """Drafts are judged in order up to the first rejection: the drafts after it say nothing
+    about alpha, and counting them would bias it low against the geometric model."""
+    return num_accepted + (num_accepted < num_drafts)
+
+
+@dataclass(slots=True)
+class DraftRecord:
+    """One sequence's recent verdicts on its drafts, exponentially weighted: what its own alpha is
+    measured from. Sequences differ: a request that copies its prompt drafts far better than a chat.
+    And whether the policy paused its drafting."""
+
+    accepted: float = 0.0
+    judged: float = 0.0
+    paused: bool = False  # no draft of it paid when last asked: drafts are weighed again after an exploring step
+
+    def observe(self, num_accepted: int, num_drafts: int) -> None:
+        keep = 1 - _SEQUENCE_SMOOTHING
+        self.accepted = keep * self.accepted + num_accepted
+        self.judged = keep * self.judged + _judged(num_accepted, num_drafts)
 
 
 class SpeculationPolicy:
@@ -23,14 +49,16 @@ class SpeculationPolicy:
     When the drafter's answers take longer than that bound, waiting buys nothing: no wait at all,
     and its late drafts are salvaged where the committed tokens match them.
 
-    Verifying drafts also lengthens the step, by more the larger the batch, so draft_limit caps the
-    drafts per sequence where the expected tokens per second are highest, from a fitted cost model
-    of a step and the measured per-draft acceptance rate alpha.
+    Verifying drafts also lengthens the step, by more the larger the batch, so draft_limits caps
+    each sequence's drafts where the step's expected tokens per second are highest, from a fitted
+    cost model of a step and each sequence's acceptance rate alpha: its own, measured from its
+    DraftRecord and drawn towards the batch's while it has few verdicts. A request that copies
+    its prompt keeps speculating in a batch of chats whose drafts do not pay.
 
-    The drafter drafts only what the target may verify: drafts_to_request asks for one more draft
-    than the best k, and for none while drafts do not pay (but for the steps before each exploring
-    step), so that a drafter whose drafts would go unused does not compete with the target for
-    the machine.
+    The drafter drafts only what the target may verify: drafts_to_request asks, per sequence, for
+    one more draft than its best k, and for none while its drafts do not pay (but for the steps
+    before each exploring step), so that a drafter whose drafts would go unused does not compete
+    with the target for the machine.
 
     The drafter answers every update that asks for drafts, if only with nothing. When it has left
     an update unanswered for longer than its patience (a few round trips, and at least the longest
@@ -49,18 +77,16 @@ class SpeculationPolicy:
         self._steps = 0
         self._fit = [0.0] * 5  # exponentially weighted sums of 1, n, t, n*n, n*t over steps
         self._per_token = 0.0  # the last cost per token the fit could measure; 0 until it could
-        self._paused = False  # the drafter was last asked for no drafts beyond exploring (drafts_to_request)
+        self._paused = False  # the drafter was last asked for no sequence's drafts beyond exploring
         self._accepted = self._judged = 1.0  # alpha = 1 until measured, so that drafts get tried
 
-    def observe_verify(self, num_accepted: int, num_drafts: int) -> None:
+    def observe_verify(self, num_accepted: int, num_drafts: int, record: DraftRecord) -> None:
         """One sequence's verification: num_accepted of its num_drafts drafts were accepted."""
         self.mean_accepted += _SMOOTHING * (num_accepted - self.mean_accepted)
-        # Drafts are judged in order up to the first rejection: the drafts after it say nothing
-        # about alpha, and counting them would bias it low against the geometric model below.
-        judged = num_accepted + (num_accepted < num_drafts)
         keep = 1 - _MODEL_SMOOTHING
         self._accepted = keep * self._accepted + num_accepted
-        self._judged = keep * self._judged + judged
+        self._judged = keep * self._judged + _judged(num_accepted, num_drafts)
+        record.observe(num_accepted, num_drafts)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A decode or verify step: one forward pass over num_tokens tokens took `seconds`."""
@@ -88,8 +114,12 @@ class SpeculationPolicy:
 
     @property
     def alpha(self) -> float:
-        """The probability that a draft is accepted, given that the drafts before it were."""
+        """The probability that a draft is accepted, given that the drafts before it were (all sequences)."""
         return self._accepted / self._judged
+
+    def sequence_alpha(self, record: DraftRecord) -> float:
+        """A sequence's own alpha: its verdicts, with the batch's alpha as a prior worth a few of them."""
+        return (record.accepted + _PRIOR_JUDGED * self.alpha) / (record.judged + _PRIOR_JUDGED)
 
     def cost_model(self) -> tuple[float, float]:
         """(fixed, per_token) seconds of a step, fitted by exponentially weighted least squares.
@@ -104,58 +134,75 @@ class SpeculationPolicy:
             return _MIN_SECONDS, 0.0
         return max(t / w - self._per_token * n / w, _MIN_SECONDS), self._per_token
 
-    def draft_limit(self, batch_size: int, available: list[int]) -> int:
-        """The drafts per sequence, k, that maximize a step's expected tokens per second (_best_limit).
+    def draft_limits(self, records: list[DraftRecord], available: list[int]) -> list[int]:
+        """Each sequence's drafts to verify, k_i: those that maximize the step's expected tokens per
+        second (_best_limits), but for exploring.
 
-        One step in _EXPLORE_EVERY verifies one draft per sequence fewer than the best k, and
-        while the best is none, one step in _EXPLORE_PAUSED_EVERY verifies one: steps of one size
-        would leave the cost per token unmeasured, and verifying none, alpha, so a costlier batch
-        or a better drafter would go unnoticed. Exploring costs a step's worth of drafts that do
-        not pay, hence less often while none do.
+        One step in _EXPLORE_EVERY verifies one draft fewer than a sequence's best, and one step
+        in _EXPLORE_PAUSED_EVERY verifies one of each sequence whose best is none: steps of one
+        size would leave the cost per token unmeasured, and verifying none, alpha, so a costlier
+        batch or a better drafter would go unnoticed. Exploring costs a step's worth of drafts that
+        do not pay, hence less often while none do.
         """
-        best = self._best_limit(batch_size, available)
-        if best and self._steps_to_explore(_EXPLORE_EVERY) == 0:
-            return best - 1
-        if not best and self._steps_to_explore(_EXPLORE_PAUSED_EVERY) == 0:
-            return min(1, max(available, default=0))
-        return best
+        best = self._best_limits(records, available)
+        explore = self._steps_to_explore(_EXPLORE_EVERY) == 0
+        explore_paused = self._steps_to_explore(_EXPLORE_PAUSED_EVERY) == 0
+        limits = []
+        for k, most in zip(best, available):
+            if k:
+                limits.append(k - 1 if explore else k)
+            else:
+                limits.append(min(1, most) if explore_paused else 0)
+        return limits
 
-    def drafts_to_request(self, batch_size: int, caps: list[int]) -> int:
-        """The drafts per sequence to ask the drafter for from now on (0: none), given what each of the
-        batch's sequences could verify.
+    def drafts_to_request(self, records: list[DraftRecord], caps: list[int]) -> list[int]:
+        """The drafts to ask the drafter for, per sequence, from now on (0: none), given what each
+        could verify.
 
-        One more than the best k when drafts pay, so that the policy sees when a longer draft would
-        pay too. None when they do not, except for the few steps before an exploring step, which
-        verifies one: it keeps alpha and the cost per token measured, so that a drafter that gets
-        better, or a cheaper batch, is noticed.
+        One more than its best k when its drafts pay, so that the policy sees when a longer draft
+        would pay too. None when they do not, except for the few steps before an exploring step,
+        which verifies one: it keeps alpha and the cost per token measured, so that a drafter that
+        gets better, or a cheaper batch, is noticed.
+
+        A paused sequence stays paused until an exploring step has judged its draft: what pauses it
+        is a verdict, and so is what resumes it, not the noise of a step's time in the cost model.
         """
-        most = max(caps, default=0)
-        best = self._best_limit(batch_size, caps)
-        self._paused = not best
-        if best:
-            return min(best + 1, most)
-        return min(1, most) if self._steps_to_explore(_EXPLORE_PAUSED_EVERY) < _EXPLORE_LEAD else 0
+        best = self._best_limits(records, caps)
+        for k, record in zip(best, records):
+            record.paused = not k
+        self._paused = not any(best)
+        explore_soon = self._steps_to_explore(_EXPLORE_PAUSED_EVERY) < _EXPLORE_LEAD
+        return [min(k + 1, cap) if k else min(1, cap) if explore_soon else 0 for k, cap in zip(best, caps)]
 
     def _steps_to_explore(self, every: int) -> int:
         """Steps before the next exploring one, one step in `every`; 0: the next step explores."""
         return (every - 1 - self._steps) % every
 
-    def _best_limit(self, batch_size: int, available: list[int]) -> int:
-        """Sequence i verifies min(k, available[i]) drafts, whose j-th is accepted with probability
-        alpha**j, so the rate is (B + sum_i sum_{j <= min(k, a_i)} alpha**j) / step seconds, and a
-        step over n tokens takes fixed + per_token * n seconds by the fitted cost_model."""
-        most = max(available, default=0)
-        alpha, (fixed, per_token) = self.alpha, self.cost_model()
-        tokens, expected = batch_size, float(batch_size)
+    def _best_limits(self, records: list[DraftRecord], available: list[int]) -> list[int]:
+        """Sequence i's j-th draft is accepted with probability alpha_i**j, and verifying it costs
+        one more token: the step's rate is (B + the sum of the verified drafts' alpha_i**j) /
+        (fixed + per_token * (B + drafts)) seconds by the fitted cost_model. The drafts worth most
+        come first, so the best set is the first m of them by worth, for the m of the highest rate;
+        as alpha_i**j falls with j, each sequence's share of them is its first k_i drafts.
+        A paused sequence gets none, but right after an exploring step."""
+        explored = self._steps_to_explore(_EXPLORE_PAUSED_EVERY) == _EXPLORE_PAUSED_EVERY - 1
+        available = [0 if record.paused and not explored else most for record, most in zip(records, available)]
+        fixed, per_token = self.cost_model()
+        batch = len(available)
+        worth = sorted(((self.sequence_alpha(record) ** j, i)
+                        for i, (record, most) in enumerate(zip(records, available)) for j in range(1, most + 1)),
+                       reverse=True)
+        tokens, expected = batch, float(batch)
         best, best_rate = 0, expected / (fixed + per_token * tokens)
-        for k in range(1, most + 1):
-            reaching = sum(a >= k for a in available)  # sequences that verify a k-th draft
-            tokens += reaching
-            expected += reaching * alpha**k
+        for m, (gain, _) in enumerate(worth, start=1):
+            tokens, expected = tokens + 1, expected + gain
             rate = expected / (fixed + per_token * tokens)
             if rate > best_rate:
-                best, best_rate = k, rate
-        return best
+                best, best_rate = m, rate
+        limits = [0] * batch
+        for _, i in worth[:best]:
+            limits[i] += 1
+        return limits
 
     def wait_bound(self) -> float:
         """While the drafter is paused, the exploring step waits up to --draft-wait-ms for its one
@@ -193,11 +240,11 @@ class SyncPolicy(SpeculationPolicy):
     drafts_before_publish = True
     accepts_predrafts = False  # the blocking baseline drafts only once it knows the committed prefix
 
-    def draft_limit(self, batch_size: int, available: list[int]) -> int:
-        return max(available, default=0)
+    def draft_limits(self, records: list[DraftRecord], available: list[int]) -> list[int]:
+        return list(available)
 
-    def drafts_to_request(self, batch_size: int, caps: list[int]) -> int:
-        return max(caps, default=0)
+    def drafts_to_request(self, records: list[DraftRecord], caps: list[int]) -> list[int]:
+        return list(caps)
 
     def wait_bound(self) -> float:
         return _SYNC_WAIT

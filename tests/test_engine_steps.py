@@ -331,13 +331,13 @@ async def test_each_sequence_verifies_at_most_its_cap(make, monkeypatch, options
     seq = h.submit(**options)
     await h.engine.step()
     limits = []
-    policy_limit = h.engine.policy.draft_limit
+    policy_limits = h.engine.policy.draft_limits
 
-    def draft_limit(batch_size: int, available: list[int]) -> int:
+    def draft_limits(records: list, available: list[int]) -> list[int]:
         limits.append(available)
-        return policy_limit(batch_size, available)
+        return policy_limits(records, available)
 
-    monkeypatch.setattr(h.engine.policy, "draft_limit", draft_limit)
+    monkeypatch.setattr(h.engine.policy, "draft_limits", draft_limits)
     h.propose(seq, N, T[1:5])
     await h.engine.step()
     assert h.verified_drafts(seq) == list(T[1 : 1 + cap])
@@ -350,7 +350,7 @@ async def test_the_budget_caps_every_sequence_and_is_no_miss(make, monkeypatch, 
     h = make()
     seqs = [h.submit(PROMPT), h.submit(OTHER_PROMPT)]
     await h.engine.step()
-    monkeypatch.setattr(h.engine.policy, "draft_limit", lambda batch, available: budget)
+    monkeypatch.setattr(h.engine.policy, "draft_limits", lambda records, available: [budget] * len(available))
     for seq in seqs:  # drafted from the prompt: the prefill token salvages them, three drafts remain
         h.propose(seq, len(seq.prompt_ids), CONTINUATIONS[tuple(seq.prompt_ids)][:4])
     await h.engine.step()
