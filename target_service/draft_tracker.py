@@ -202,7 +202,7 @@ class DraftTracker:
                     message.hidden_start = first
                     message.hidden_states = self.link.feature_layout.encode(rows)
                     self.metrics.hidden_state_bytes.inc(len(message.hidden_states))
-                k = min(wanted.get(seq.seq_id, 0), state.open_k)
+                k = min(wanted[seq.seq_id], state.open_k)
                 if k != state.told_k:
                     message.k = state.told_k = k
                 extends.append(message)

@@ -189,9 +189,9 @@ class SpeculationPolicy:
         available = [0 if record.paused and not explored else most for record, most in zip(records, available)]
         fixed, per_token = self.cost_model()
         batch = len(available)
-        worth = sorted(((self.sequence_alpha(record) ** j, i)
-                        for i, (record, most) in enumerate(zip(records, available)) for j in range(1, most + 1)),
-                       reverse=True)
+        alphas = [self.sequence_alpha(record) for record in records]
+        worth = sorted(((alpha**j, i) for i, (alpha, most) in enumerate(zip(alphas, available))
+                        for j in range(1, most + 1)), reverse=True)
         tokens, expected = batch, float(batch)
         best, best_rate = 0, expected / (fixed + per_token * tokens)
         for m, (gain, _) in enumerate(worth, start=1):
