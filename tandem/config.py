@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 class UnsupportedModelError(ValueError):
@@ -81,6 +82,16 @@ class ModelConfig:
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
             rope_scaling=_rope_scaling_from_hf(rope),
         )
+
+    def to_hf(self) -> dict[str, Any]:
+        """config.json's fields that from_hf reads, without rope scaling: what a gateway reads of the model."""
+        return {"model_type": self.architecture, "architectures": [HF_ARCHITECTURES[self.architecture]],
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+                "max_position_embeddings": self.max_position_embeddings,
+                "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias}
 
 
 def _rope_scaling_from_hf(scaling: dict[str, Any]) -> RopeScaling | None:

@@ -1,4 +1,5 @@
-"""`make demo`: the drafter and the target on loopback with the embedded model, one streamed chat.
+"""`make demo`: the drafter and the target on loopback with the embedded model, one streamed chat
+over gRPC, then one chat completion over the target's OpenAI-compatible HTTP API.
 
 Each service gets one core (--threads 1), as docs/design.md (CPU threads) advises on a small box.
 """
@@ -6,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from tandem.cli import parser as cli_parser, run_generate
-from tandem.launch import ServiceProcess
+from tandem.launch import ServiceProcess, free_port
 from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
 PROMPT = "Write a short paragraph about why the ocean looks blue, then list three ocean animals."
@@ -30,21 +33,39 @@ def main() -> None:
     draft = ServiceProcess("draft_service", ["--drafter", args.drafter, "--model", draft_model, "--threads", "1"],
                            log_path=logs / "draft.log")
     target = ServiceProcess("target_service", ["--model", args.model, "--threads", "1", "--drafter", draft.address],
-                            log_path=logs / "target.log")
+                            log_path=logs / "target.log", http_port=free_port())
     print(f"starting the draft service ({args.drafter}: {draft_model}) and the target service; logs in {logs}")
     try:
         draft.start()
         target.start()
         draft.wait_healthy()
         target.wait_healthy()
-        print(f"target on {target.address} (metrics {target.metrics_url}), drafter on {draft.address}\n")
+        print(f"target on {target.address} (OpenAI API {target.http_url}, metrics {target.metrics_url}), "
+              f"drafter on {draft.address}\n")
         print(f"> {PROMPT}\n")
         cli_args = cli_parser().parse_args(["generate", PROMPT, "--chat", "--target", target.address,
                                         "--max-tokens", str(args.max_tokens)])
         asyncio.run(run_generate(cli_args))
+        openai_chat(target.http_url, args.model)
     finally:
         codes = (target.terminate(), draft.terminate())
         print(f"stopped both services (exit codes {codes[0]}, {codes[1]})")
+
+
+OPENAI_QUESTION = "Name the largest ocean in one word."
+
+
+def openai_chat(base_url: str, model: str) -> None:
+    """The same target through its OpenAI API, as `curl` or the OpenAI SDK would call it."""
+    body = {"model": model, "messages": [{"role": "user", "content": OPENAI_QUESTION}], "max_tokens": 16,
+            "temperature": 0}
+    print(f"\n$ curl {base_url}/chat/completions -d '{json.dumps(body)}'")
+    request = urllib.request.Request(f"{base_url}/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        reply = json.load(response)
+    print(f"> {OPENAI_QUESTION}\n{reply['choices'][0]['message']['content']}  ({reply['usage']['completion_tokens']} "
+          f"tokens, finish {reply['choices'][0]['finish_reason']})")
 
 
 if __name__ == "__main__":

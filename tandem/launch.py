@@ -36,6 +36,7 @@ class ServiceProcess:
     log_path: Path | None = None
     process: subprocess.Popen | None = None
     tls: ClientTls | None = None  # how wait_healthy reaches a service started with --tls-cert
+    http_port: int = 0  # a target's OpenAI HTTP API (--http-port); 0: off
 
     def channel(self) -> grpc.Channel:
         """A blocking channel to the service, over TLS when `tls` is set.
@@ -55,12 +56,19 @@ class ServiceProcess:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def http_url(self) -> str:
+        """The OpenAI API's base URL, as the OpenAI SDK takes it."""
+        return f"http{'s' if self.tls else ''}://127.0.0.1:{self.http_port}/v1"
+
+    @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self) -> "ServiceProcess":
         cmd = [sys.executable, "-m", self.module, "--port", str(self.port),
                "--metrics-port", str(self.metrics_port), *self.args]
+        if self.http_port:
+            cmd += ["--http-port", str(self.http_port)]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -110,4 +118,4 @@ class ServiceProcess:
     def restarted(self) -> "ServiceProcess":
         """The same service started again, on the same ports and log, after this one was stopped."""
         return ServiceProcess(self.module, self.args, port=self.port, metrics_port=self.metrics_port,
-                              log_path=self.log_path, tls=self.tls).start()
+                              log_path=self.log_path, tls=self.tls, http_port=self.http_port).start()

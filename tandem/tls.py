@@ -5,6 +5,7 @@ Kept apart from grpc_server.py so that a client (tandem generate, bench) can use
 from __future__ import annotations
 
 import hmac
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,18 @@ class ServerTls:
             root_certificates=ca,
             require_client_auth=ca is not None,
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same certificate, key and client CA for an HTTP server (the OpenAI front door)."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(self.cert_file, self.key_file)
+            if self.client_ca_file:
+                context.load_verify_locations(self.client_ca_file)
+                context.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as err:
+            raise ValueError(f"cannot load TLS files ({self.cert_file}, {self.key_file}): {err}") from None
+        return context
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,6 +139,18 @@ class Tokenizer:
             ids.insert(0, self._special.bos)
         return ids
 
+    def hf_files(self) -> dict[str, str]:
+        """The tokenizer as an HF folder's files (tokenizer.json, tokenizer_config.json with the chat
+        template, generation_config.json with the stop ids), which `from_dir` reads back as this one."""
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **self._template_tokens}
+        if self._chat_template is not None:
+            config["chat_template"] = self._chat_template
+        generation: dict[str, Any] = {"eos_token_id": sorted(self.eos_token_ids)}
+        if self._special.bos is not None:
+            generation["bos_token_id"] = self._special.bos
+        return {"tokenizer.json": self._backend.to_str(), "tokenizer_config.json": json.dumps(config, indent=2),
+                "generation_config.json": json.dumps(generation, indent=2)}
+
     @cached_property
     def _template_tokens(self) -> dict[str, str]:
         roles = {"bos_token": self._special.bos, "eos_token": self._special.eos,

@@ -12,6 +12,9 @@ from tandem.grpc_server import install_event_loop, set_torch_threads
 HELP = {
     "model": "embedded model name (smollm2-135m) or a path to a .gguf file or an HF folder",
     "metrics_port": "port of the Prometheus /metrics endpoint; 0 turns it off",
+    "http_port": "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+                 "/health, /metrics, /tokenize, /detokenize), with the gRPC port's TLS and bearer token; "
+                 "0 turns it off",
     "dtype": "auto, float32 or bfloat16 (auto: bfloat16 on CUDA and on x86 CPUs the native decoder runs on, "
              "else float32)",
     "threads": "torch CPU threads; give each service its own cores",
@@ -30,7 +33,7 @@ HELP = {
     "grammar_compile_timeout": "structured output: seconds a constraint may take to compile before its request "
                                "gets INVALID_ARGUMENT",
     "grace_seconds": "on SIGTERM, how long running requests may take to finish",
-    "max_message_bytes": "the largest gRPC message either way, on both links",
+    "max_message_bytes": "the largest gRPC message either way, on both links, and the largest HTTP body",
     "tls_cert": "PEM certificate (chain) served to clients; with --tls-key turns TLS on",
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mTLS)",

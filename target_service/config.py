@@ -13,6 +13,7 @@ class TargetConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9091  # 0 turns /metrics off
+    http_port: int = 0  # the OpenAI-compatible HTTP API; 0 turns it off
     device: str = "cpu"
     dtype: str = "auto"  # bf16 on CUDA and on CPUs with the native decoder, else fp32
     threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
@@ -50,7 +51,8 @@ class TargetConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        non_negative = {"max_queue": self.max_queue, "num_speculative_tokens": self.num_speculative_tokens,
+        non_negative = {"http_port": self.http_port, "max_queue": self.max_queue,
+                        "num_speculative_tokens": self.num_speculative_tokens,
                         "draft_wait_ms": self.draft_wait_ms, "grace_seconds": self.grace_seconds,
                         "min_step_ms": self.min_step_ms, "grammar_compile_timeout": self.grammar_compile_timeout}
         for name, value in non_negative.items():

@@ -53,6 +53,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self.tracker = DraftTracker(self.policy, metrics, vocab_size=vocab_size, max_len=kv_cache.max_len,
                                     wake=self._wake.set)
+        metrics.watch_kv_usage(lambda: self.kv_usage)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -74,6 +75,11 @@ class Engine:
             grammar=grammar,
         )
 
+    @property
+    def accepting(self) -> bool:
+        """False once draining has begun: new requests get UNAVAILABLE."""
+        return self._accepting
+
     def submit(self, seq: Sequence) -> None:
         if not self._accepting:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
@@ -88,6 +94,11 @@ class Engine:
         self.metrics.waiting.set(len(self.waiting))
         self._work.set()
         self._wake.set()
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of the KV cache in use: each running sequence holds one whole slot."""
+        return 1 - self.kv_cache.num_free_slots / self.kv_cache.num_slots
 
     def _free_capacity(self) -> int:
         """Requests the next step can admit: waiting for it is not queueing."""
@@ -270,6 +281,9 @@ class Engine:
         seq.draft_tokens += entry.num_drafts
         seq.draft_steps += 1
         seq.accepted_tokens += accepted
+        histogram = seq.acceptance_histogram
+        histogram.extend([0] * (accepted + 1 - len(histogram)))
+        histogram[accepted] += 1
         m = self.metrics
         m.num_drafts.inc()
         m.num_draft_tokens.inc(entry.num_drafts)

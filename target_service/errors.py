@@ -5,12 +5,15 @@ import grpc
 
 
 class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
+    """field: the request field to fix, when one is at fault; front doors name it in their own terms."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str = ""):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.field = field
 
 
 def invalid(field: str, problem: str) -> RequestError:
     """INVALID_ARGUMENT whose message names the field to fix."""
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}", field)

@@ -1,7 +1,11 @@
 """The target's Prometheus metrics (docs/design.md, Metrics), in a registry of their own."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from target_service.vllm_metrics import VllmMirror
 
 # 1 ms upwards, roughly doubling: resolves CPU decode steps and GPU TTFT alike.
 MASK_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -15,19 +19,22 @@ class TargetMetrics:
         self.registry = CollectorRegistry()
         labels = {"model": model, "service": "target"}
         names = list(labels)
+        self.families: dict[str, Counter | Gauge | Histogram] = {}  # by name, for the vLLM mirror
 
-        def bind(metric, extra: tuple[str, ...]):
+        def bind(name: str, metric, extra: tuple[str, ...]):
             """Metrics without extra labels come bound to model and service; the rest via `child`."""
+            self.families[name] = metric
             return metric if extra else metric.labels(**labels)
 
         def histogram(name: str, doc: str, buckets=LATENCY_BUCKETS, extra: tuple[str, ...] = ()):
-            return bind(Histogram(name, doc, names + list(extra), buckets=buckets, registry=self.registry), extra)
+            metric = Histogram(name, doc, names + list(extra), buckets=buckets, registry=self.registry)
+            return bind(name, metric, extra)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
-            return bind(Counter(name, doc, names + list(extra), registry=self.registry), extra)
+            return bind(name, Counter(name, doc, names + list(extra), registry=self.registry), extra)
 
         def gauge(name: str, doc: str):
-            return bind(Gauge(name, doc, names, registry=self.registry), ())
+            return bind(name, Gauge(name, doc, names, registry=self.registry), ())
 
         self.ttft = histogram("tandem_time_to_first_token_seconds", "Arrival to first token sent.")
         self.itl = histogram("tandem_inter_token_latency_seconds", "Time between tokens sent to a client.")
@@ -70,11 +77,17 @@ class TargetMetrics:
             "tandem_hidden_state_bytes", "Bytes of target features sent to a drafter that reads them (EAGLE-3 style).")
         self.running = gauge("tandem_num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("tandem_num_requests_waiting", "Requests waiting for admission.")
+        self.kv_usage = gauge("tandem_kv_cache_usage_perc", "Share of the KV cache in use, 0 to 1 (KV slots held).")
         self.drafter_connected = gauge("tandem_drafter_connected", "1 while a compatible drafter is connected.")
         self.drafts_requested = gauge(
             "tandem_spec_decode_requested_drafts",
             "Drafts per sequence the target last asked the drafter for, the batch's mean; 0 while none would pay.")
         self._labels = labels
+        self.registry.register(VllmMirror(self.families))
+
+    def watch_kv_usage(self, usage: Callable[[], float]) -> None:
+        """The KV gauge reads the engine's figure when scraped."""
+        self.kv_usage.set_function(usage)
 
     def child(self, metric, **extra: str):
         """The child of a metric with extra labels (step kind, finish reason, position, ...)."""

@@ -78,6 +78,7 @@ class Sequence:
     draft_tokens: int = 0  # usage: drafts verified, in how many steps, and how many were committed
     draft_steps: int = 0
     accepted_tokens: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)  # [a]: draft steps that committed a drafts
     draft_record: DraftRecord = field(default_factory=DraftRecord)  # the verifier's verdicts, for its own alpha
     admitted_at: float | None = None
     last_token_at: float | None = None
@@ -90,6 +91,17 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        """What stopped it, as vLLM reports it: the stop string or the request's stop token id; None
+        for an end-of-sequence token, a finished grammar or a length limit."""
+        if self.finish is not FinishReason.STOP:
+            return None
+        if self.stops.matched is not None:
+            return self.stops.matched
+        last = self.token_ids[-1]
+        return last if last in self.options.stop_token_ids else None
 
     @property
     def remaining_tokens(self) -> int:

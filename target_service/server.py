@@ -1,4 +1,5 @@
-"""The Generation gRPC service, and the target process: model, engine, drafter link, server."""
+"""The Generation gRPC service, and the target process: model, engine, drafter link, and the front doors
+(Generation and VllmEngine on the gRPC port, the OpenAI API on --http-port)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +7,7 @@ import logging
 import time
 
 import grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from target_service.config import TargetConfig
 from target_service.drafter_link import DrafterLink
@@ -13,11 +15,16 @@ from target_service.engine import Engine
 from target_service.errors import RequestError
 from target_service.grammars import RequestGrammars
 from target_service.metrics import TargetMetrics
+from target_service.openai_api.server import OpenAIServer
 from target_service.sequence import FinishReason, Output, Sequence
 from target_service.step import StepRunner
-from target_service.validation import UndecodableRequests, validate_request
+from target_service.serving import Serving
+from target_service.validation import GENERATE_METHOD, UndecodableRequests
+from target_service.vllm_grpc.servicer import GENERATE_METHOD as VLLM_GENERATE
+from target_service.vllm_grpc.servicer import SERVICE_NAME as VLLM_SERVICE
+from target_service.vllm_grpc.servicer import VllmEngineServicer
 from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
-from tandem.runtime import LoadedModel, load_model
+from tandem.runtime import load_model
 from tandem.structured import GrammarCompiler, GrammarLimits
 from tandem.tls import BearerTokenInterceptor
 from tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -32,30 +39,16 @@ _FINISH = {
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, loaded: LoadedModel, config: TargetConfig, grammars: RequestGrammars):
-        self.engine = engine
-        self.loaded = loaded
-        self.config = config
-        self.grammars = grammars
+    def __init__(self, serving: Serving):
+        self.serving = serving
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            prompt_ids, options = validate_request(
-                request, self.loaded.tokenizer, self.config, self.loaded.name, self.loaded.config.vocab_size
-            )
-            grammar = await self.grammars.matcher_for(options.constraint) if options.constraint else None
-            seq = self.engine.new_sequence(request.request_id, prompt_ids, options, grammar)
-            self.engine.submit(seq)
+            seq = await self.serving.submit(request)
         except RequestError as err:
             await context.abort(err.code, err.message)
-        try:
-            while True:
-                output = await seq.outbox.get()
-                yield self._response(seq, output)
-                if output.finish is not None:
-                    return
-        finally:
-            self.engine.abort(seq)  # a no-op once finished; frees the sequence when the client left
+        async for output in self.serving.outputs(seq):
+            yield self._response(seq, output)
 
     def _response(self, seq: Sequence, output: Output) -> generation_pb2.GenerateResponse:
         response = generation_pb2.GenerateResponse(
@@ -76,20 +69,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return response
 
     async def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:
-        link = self.engine.tracker.link
-        connected = link is not None and link.connected
-        model = self.loaded.model
+        loaded, model = self.serving.loaded, self.serving.loaded.model
+        draft_model = self.serving.drafter_model
         return generation_pb2.ModelInfo(
-            model=self.loaded.name,
-            vocab_size=self.loaded.config.vocab_size,
-            max_model_len=self.config.max_model_len,
-            tokenizer_fingerprint=self.loaded.tokenizer.fingerprint,
-            eos_token_ids=sorted(self.loaded.tokenizer.eos_token_ids),
+            model=loaded.name,
+            vocab_size=loaded.config.vocab_size,
+            max_model_len=self.serving.config.max_model_len,
+            tokenizer_fingerprint=loaded.tokenizer.fingerprint,
+            eos_token_ids=sorted(loaded.tokenizer.eos_token_ids),
             dtype=str(model.dtype).removeprefix("torch."),
             device=str(model.device),
-            draft_model=link.info.model if connected else "",
-            drafter_connected=connected,
+            draft_model=draft_model or "",
+            drafter_connected=draft_model is not None,
         )
+
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def _register(server: grpc.aio.Server, generation: GenerationServicer, vllm: VllmEngineServicer) -> None:
+    """Both front doors on one port: Tandem's own, and vLLM's engine protocol for gateways."""
+    generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm, server)
 
 
 async def serve(config: TargetConfig) -> None:
@@ -116,22 +117,31 @@ async def serve(config: TargetConfig) -> None:
         engine.tracker.link = link
         link.start()
     engine.start()
-    servicer = GenerationServicer(engine, loaded, config, RequestGrammars(compiler, metrics))
+    serving = Serving(engine, loaded, config, RequestGrammars(compiler, metrics))
+    servicer = GenerationServicer(serving)
+    vllm_servicer = VllmEngineServicer(serving)
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
                             max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,
                             tls=config.server_tls())
     token = config.read_auth_token()
     running = await start_server(
         options,
-        lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
-        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+        lambda server: _register(server, servicer, vllm_servicer),
+        [GENERATION_SERVICE, VLLM_SERVICE],
         metrics.registry,
         # The token is checked first: an unauthenticated caller learns nothing about its request.
-        interceptors=[*([BearerTokenInterceptor(token)] if token else []), UndecodableRequests()],
+        interceptors=[*([BearerTokenInterceptor(token)] if token else []), UndecodableRequests({
+            GENERATE_METHOD: generation_pb2.GenerateRequest, VLLM_GENERATE: vllm_engine_pb2.GenerateRequest})],
     )
+    http = None
+    if config.http_port:
+        http = OpenAIServer(serving, metrics.registry, token, config.max_message_bytes)
+        await http.start(config.host, config.http_port, config.server_tls())
     try:
         await serve_until_signal(running, config.grace_seconds, engine.drain)
     finally:
+        if http is not None:
+            await http.stop()
         if link is not None:
             await link.stop()
         await engine.stop()

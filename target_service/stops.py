@@ -10,6 +10,7 @@ class StopChecker:
 
     stop_strings: tuple[str, ...]
     stop_token_ids: frozenset[int]
+    matched: str | None = field(default=None, init=False)  # the stop string that ended the sequence
     _pending: str = field(default="", init=False)
 
     @property
@@ -25,8 +26,9 @@ class StopChecker:
         if not self.stop_strings:
             text, self._pending = self._pending, ""
             return text, False
-        cut = min((i for i in (self._pending.find(s) for s in self.stop_strings) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stop_strings if (i := self._pending.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda hit: hit[0])
             text, self._pending = self._pending[:cut], ""
             return text, True
         safe = max(0, len(self._pending) - self._hold_back)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from kernels.random import fresh_seed
 from kernels.sampling import effective_temperature
@@ -134,20 +134,26 @@ def validate_request(
 GENERATE_METHOD = "/tandem.v1.Generation/Generate"
 
 
-def decode_request(wire: bytes) -> generation_pb2.GenerateRequest | RequestError:
+def decode_request(wire: bytes, message: type[Message] = generation_pb2.GenerateRequest) -> Message | RequestError:
     """The request, or the INVALID_ARGUMENT it earns (bad UTF-8 in a string, a truncated field)."""
     try:
-        return generation_pb2.GenerateRequest.FromString(wire)
+        return message.FromString(wire)
     except DecodeError as err:
         return invalid("request", f"cannot be decoded: {err}")
 
 
 class UndecodableRequests(grpc.aio.ServerInterceptor):
-    """A Generate request that does not parse gets INVALID_ARGUMENT; grpc itself would answer UNKNOWN."""
+    """A streaming call's request that does not parse gets INVALID_ARGUMENT; grpc itself would answer UNKNOWN.
+
+    methods: each unary-stream method's full name, with its request message."""
+
+    def __init__(self, methods: dict[str, type[Message]]):
+        self.methods = methods
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or details.method != GENERATE_METHOD:
+        message = self.methods.get(details.method)
+        if handler is None or message is None:
             return handler
         generate = handler.unary_stream
 
@@ -157,5 +163,6 @@ class UndecodableRequests(grpc.aio.ServerInterceptor):
             async for response in generate(request, context):
                 yield response
 
-        return grpc.unary_stream_rpc_method_handler(checked, request_deserializer=decode_request,
-                                                    response_serializer=handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(
+            checked, request_deserializer=lambda wire: decode_request(wire, message),
+            response_serializer=handler.response_serializer)

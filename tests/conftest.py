@@ -47,3 +47,32 @@ def hf_smollm2(smollm2_path):
         str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def shared_drafter(tmp_path_factory):
+    """An n-gram draft service that several targets may share."""
+    from tandem.launch import ServiceProcess
+
+    logs = tmp_path_factory.mktemp("shared-drafter")
+    draft = ServiceProcess("draft_service", ["--drafter", "ngram", "--threads", "1"], log_path=logs / "draft.log")
+    try:
+        yield draft.start().wait_healthy()
+    finally:
+        draft.kill()
+
+
+@pytest.fixture(scope="session")
+def front_doors(shared_drafter, tmp_path_factory):
+    """A target serving every front door, speculating with the shared drafter: Generation and
+    VllmEngine on its gRPC port, the OpenAI API on its HTTP port."""
+    from tandem.launch import ServiceProcess, free_port
+
+    logs = tmp_path_factory.mktemp("front-doors")
+    target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512",
+                                               "--drafter", shared_drafter.address],
+                            log_path=logs / "target.log", http_port=free_port())
+    try:
+        yield target.start().wait_healthy().wait_metric("tandem_drafter_connected", 1)
+    finally:
+        target.kill()

@@ -28,6 +28,20 @@ PROMPTS = [
 ]
 
 
+def protobuf_field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field in protobuf's wire format (a string, bytes or sub-message): appended
+    to a serialized message, it puts raw bytes where a string belongs."""
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while True:
+            byte, n = n & 0x7F, n >> 7
+            out.append(byte | (0x80 if n else 0))
+            if not n:
+                return bytes(out)
+
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
 def greedy_request(prompt: str, max_tokens: int, **extra) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
         chat=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content=prompt)]),

@@ -16,4 +16,6 @@ def test_the_demo_streams_a_chat_with_suffix_and_distilled_drafters_and_stops_cl
     assert summary, done.stderr
     assert int(summary.group(1)) == 24
     assert int(summary.group(2)) > 0 and float(summary.group(3)) > 1, "no draft was accepted"
+    assert re.search(r"\$ curl http://127\.0\.0\.1:\d+/v1/chat/completions", done.stdout)
+    assert re.search(r"\(\d+ tokens, finish (stop|length)\)", done.stdout), done.stdout
     assert "stopped both services (exit codes 0, 0)" in done.stdout

@@ -40,6 +40,7 @@ class FakeTokenizer:
 class FakeCache:
     def __init__(self, num_slots: int, max_len: int):
         self.max_len = max_len
+        self.num_slots = num_slots
         self._free = list(range(num_slots))
 
     @property

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service_fixtures import PROMPTS, greedy_request, metric, scrape
+from service_fixtures import PROMPTS, greedy_request, metric, protobuf_field, scrape
 from tandem.launch import ServiceProcess
 from tandem.v1 import generation_pb2, structured_pb2
 
@@ -21,20 +21,6 @@ CLEAR = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.R
 CALL_TIMEOUT = 20.0
 MAX_MODEL_LEN = 128
 U32, U64 = 2**32 - 1, 2**64 - 1
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field: a string, bytes or sub-message."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 # Where raw bytes may go: (path of field numbers from GenerateRequest down to a string field).
@@ -52,7 +38,7 @@ RAW_SLOTS = {
 def _raw(path: tuple[int, ...], value: bytes) -> bytes:
     payload = value
     for number in reversed(path):
-        payload = _field(number, payload)
+        payload = protobuf_field(number, payload)
     return payload
 
 

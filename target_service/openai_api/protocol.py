@@ -1,0 +1,346 @@
+"""OpenAI request bodies, as vLLM takes them, translated into the engine's GenerateRequest.
+
+The models declare every field a request may carry: OpenAI's names and vLLM's extensions side by
+side, and Tandem's own (`speculate`, `num_speculative_tokens`, `drafter_invariant`), the way vLLM
+takes its extensions. A field nobody declared is refused (OpenAI's own API does the same); a field
+declared but not served yet (logprobs, penalties, n > 1, logit_bias, tools) is taken only at the
+value that turns it off. Value ranges are the engine's to check (validation.py), once for every
+front door.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tandem.v1 import generation_pb2, structured_pb2
+
+UINT32_MAX = 2**32 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+SEED_MASK = 2**64 - 1  # a negative int64 seed travels as its two's complement, as a uint64
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+class ProtocolError(ValueError):
+    """A request body we cannot translate; `param` names the field to fix (None: the body itself)."""
+
+    def __init__(self, param: str | None, problem: str, code: str = "invalid_value"):
+        super().__init__(f"{param}: {problem}" if param else problem)
+        self.param = param
+        self.code = code
+
+
+class _Body(BaseModel):
+    # strict: "0.5" is not a number and 1 is not a boolean, as in OpenAI's API.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)  # another part type carries other fields
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")  # `schema` would shadow BaseModel's
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Body):
+    """vLLM's `structured_outputs`: one constraint. Its other options are refused (see UNSERVED)."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    structural_tag: Any = None
+    whitespace_pattern: Any = None
+    disable_additional_properties: Any = None
+    disable_fallback: Any = None
+
+
+class _Request(_Body):
+    """What both endpoints take."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=UINT32_MAX)
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    request_id: str | None = None
+    user: str | None = None  # OpenAI's end-user id, for abuse tracking; it changes no output
+    # Tandem's extensions
+    speculate: bool | None = None
+    num_speculative_tokens: int | None = Field(default=None, ge=0, le=UINT32_MAX)
+    drafter_invariant: bool = False
+    # Declared, not served yet: only the value that turns each off is taken (UNSERVED).
+    n: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    min_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    prompt_logprobs: Any = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    add_special_tokens: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: Any = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+# The value of each unserved field that asks for nothing; `None` (unset) always does too.
+UNSERVED: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,),
+    "include_stop_str_in_output": (False,), "prompt_logprobs": (), "tools": (), "tool_choice": ("none",),
+    "parallel_tool_calls": (), "functions": (), "function_call": ("none",), "add_generation_prompt": (True,),
+    "continue_final_message": (False,), "add_special_tokens": (False,), "chat_template": (),
+    "chat_template_kwargs": ({},), "echo": (False,), "best_of": (1,), "suffix": (),
+    "structural_tag": (), "whitespace_pattern": (), "disable_additional_properties": (False,),
+    "disable_fallback": (False,),
+}
+
+
+def _check_unserved(body: BaseModel, prefix: str = "") -> None:
+    for name, neutral in UNSERVED.items():
+        if name not in type(body).model_fields:
+            continue
+        value = getattr(body, name)
+        if value is None or any(type(value) is type(n) and value == n for n in neutral):
+            continue
+        shown = json.dumps(value) if _jsonable(value) else repr(value)
+        raise ProtocolError(f"{prefix}{name}", f"{shown} is not supported yet"
+                            + (f"; leave it unset or {json.dumps(neutral[0])}" if neutral else "; leave it unset"),
+                            code="unsupported_parameter")
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> Any:
+    """The body as `model`, or a ProtocolError naming the first field at fault."""
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError as err:
+        raise _protocol_error(err) from None
+    _check_unserved(parsed)
+    if isinstance(parsed, _Request) and parsed.stream_options is not None and not parsed.stream:
+        raise ProtocolError("stream_options", "is only allowed when stream is true")
+    for name in ("structured_outputs",):
+        nested = getattr(parsed, name, None)
+        if nested is not None:
+            _check_unserved(nested, f"{name}.")
+    return parsed
+
+
+def _protocol_error(err: ValidationError) -> ProtocolError:
+    first = err.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return ProtocolError(None, f"the body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}")
+    param = _param_of(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return ProtocolError(param, "is not a parameter this server takes", code="unknown_parameter")
+    if not param:
+        return ProtocolError(None, f"the body must be a JSON object: {first['msg']}")
+    return ProtocolError(param, first["msg"])
+
+
+def _param_of(loc: tuple[Any, ...]) -> str:
+    """`messages[0].content` from pydantic's ('messages', 0, 'content'), union branch names dropped."""
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif "[" in item or item in ("str", "int", "bool", "float", "dict", "list"):
+            continue  # pydantic names the union member it tried: `list[int]`, `str`
+        else:
+            parts.append(("." if parts else "") + item)
+    return "".join(parts)
+
+
+# ---- translation into the engine's request ------------------------------------------------------
+
+def sampling_params(body: _Request, max_tokens: int | None) -> generation_pb2.SamplingParams:
+    params = generation_pb2.SamplingParams(
+        top_k=0 if body.top_k in (None, -1) else body.top_k,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stop_token_ids=_token_ids("stop_token_ids", body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
+        drafter_invariant=body.drafter_invariant,
+    )
+    for name in ("temperature", "top_p", "min_p", "speculate", "num_speculative_tokens"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(params, name, value)
+    if body.seed is not None:
+        params.seed = body.seed & SEED_MASK
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    constraint = _constraint(body)
+    if constraint is not None:
+        params.structured_outputs.CopyFrom(constraint)
+    return params
+
+
+def _token_ids(param: str, ids: list[int]) -> list[int]:
+    bad = [i for i in ids if not 0 <= i <= UINT32_MAX]
+    if bad:
+        raise ProtocolError(param, f"id {bad[0]} is not a token id")
+    return ids
+
+
+def _constraint(body: _Request) -> structured_pb2.StructuredOutputs | None:
+    if body.response_format is not None and body.structured_outputs is not None:
+        raise ProtocolError("response_format", "give response_format or structured_outputs, not both")
+    if body.response_format is not None:
+        return _response_format(body.response_format)
+    if body.structured_outputs is not None:
+        return _structured_outputs(body.structured_outputs)
+    return None
+
+
+def _response_format(fmt: ResponseFormat) -> structured_pb2.StructuredOutputs | None:
+    if fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return structured_pb2.StructuredOutputs(json_object=True)
+    if fmt.json_schema is None:
+        raise ProtocolError("response_format.json_schema", "is required when type is json_schema")
+    schema = fmt.json_schema.schema_
+    return structured_pb2.StructuredOutputs(json=json.dumps(schema if schema is not True else {}))
+
+
+def _structured_outputs(so: StructuredOutputsParams) -> structured_pb2.StructuredOutputs:
+    kinds = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+             "json_object": so.json_object or None}
+    given = [kind for kind, value in kinds.items() if value is not None]
+    if len(given) != 1:
+        raise ProtocolError("structured_outputs", f"set exactly one of {', '.join(kinds)}; got "
+                            + (", ".join(given) if given else "none"))
+    kind = given[0]
+    compact = so.disable_any_whitespace
+    if kind == "json":
+        spec = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+        return structured_pb2.StructuredOutputs(json=spec, disable_any_whitespace=compact)
+    if kind == "choice":
+        return structured_pb2.StructuredOutputs(choice=structured_pb2.Choices(choices=so.choice),
+                                                disable_any_whitespace=compact)
+    if kind == "json_object":
+        return structured_pb2.StructuredOutputs(json_object=True, disable_any_whitespace=compact)
+    return structured_pb2.StructuredOutputs(**{kind: kinds[kind]}, disable_any_whitespace=compact)
+
+
+def chat_messages(messages: list[ChatMessage], param: str = "messages") -> generation_pb2.ChatMessages:
+    """Text content as the chat template takes it: a list of text parts joined by newlines."""
+    out = []
+    for index, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part_index, part in enumerate(content):
+                where = f"{param}[{index}].content[{part_index}]"
+                if part.type != "text":
+                    raise ProtocolError(f"{where}.type", f"{part.type!r} parts are not supported; this model "
+                                                        "takes text parts only")
+                if part.text is None:
+                    raise ProtocolError(f"{where}.text", "is required in a text part")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        out.append(generation_pb2.ChatMessage(role=message.role, content=content or ""))
+    return generation_pb2.ChatMessages(messages=out)
+
+
+def chat_request(body: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return generation_pb2.GenerateRequest(
+        request_id=request_id,
+        chat=chat_messages(body.messages),
+        sampling_params=sampling_params(body, max_tokens),
+    )
+
+
+def completion_request(body: CompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
+    max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    request = generation_pb2.GenerateRequest(request_id=request_id, sampling_params=sampling_params(body, max_tokens))
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ProtocolError("prompt", f"a batch of {len(prompt)} prompts is not supported yet; send one "
+                                          "prompt per request", code="unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.ids.extend(_token_ids("prompt", prompt))
+    return request

@@ -1,0 +1,93 @@
+"""OpenAI response bodies (vLLM's shapes) from a finished or streaming sequence."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from target_service.sequence import FinishReason, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What every body and chunk of one response repeats."""
+
+    id: str
+    object: str  # chat.completion, chat.completion.chunk or text_completion
+    created: int
+    model: str
+
+    def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+
+def usage(seq: Sequence) -> dict[str, Any]:
+    prompt, completion = len(seq.prompt_ids), seq.num_generated
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def speculation_metrics(seq: Sequence) -> dict[str, Any] | None:
+    """vLLM's per-request `metrics.speculative_decoding` (what aiperf reads); None when the request
+    did not speculate.
+
+    acceptance_histogram[a] counts the draft steps that committed a drafts: it has k + 1 entries and
+    sums to num_spec_steps."""
+    k = seq.options.num_speculative_tokens
+    if not seq.options.speculate or k == 0:
+        return None
+    histogram = seq.acceptance_histogram + [0] * (k + 1 - len(seq.acceptance_histogram))
+    steps, drafts, accepted = seq.draft_steps, seq.draft_tokens, seq.accepted_tokens
+    return {"speculative_decoding": {
+        "num_spec_tokens": k,
+        "num_spec_steps": steps,
+        "num_draft_tokens": drafts,
+        "num_accepted_draft_tokens": accepted,
+        "draft_acceptance_rate": accepted / drafts if drafts else 0.0,
+        "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
+        "acceptance_histogram": histogram,
+    }}
+
+
+def finish_reason(seq: Sequence) -> str:
+    return (seq.finish or FinishReason.ABORT).value
+
+
+def chat_response(meta: Completion, seq: Sequence, text: str) -> dict[str, Any]:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason(seq), "stop_reason": seq.stop_reason}
+    return meta.body([choice], usage=usage(seq), metrics=speculation_metrics(seq))
+
+
+def text_response(meta: Completion, seq: Sequence, text: str) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(seq),
+              "stop_reason": seq.stop_reason}
+    return meta.body([choice], usage=usage(seq), metrics=speculation_metrics(seq))
+
+
+def chat_chunk(meta: Completion, delta: dict[str, Any], seq: Sequence | None = None) -> dict[str, Any]:
+    """A delta; with `seq`, the last chunk of the choice, which carries why it finished."""
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+    if seq is not None:
+        choice.update(finish_reason=finish_reason(seq), stop_reason=seq.stop_reason)
+    return meta.body([choice])
+
+
+def text_chunk(meta: Completion, text: str, seq: Sequence | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+    if seq is not None:
+        choice.update(finish_reason=finish_reason(seq), stop_reason=seq.stop_reason)
+    return meta.body([choice])
+
+
+def usage_chunk(meta: Completion, seq: Sequence) -> dict[str, Any]:
+    """The stream's last chunk when the client asked for usage: no choices."""
+    extra: dict[str, Any] = {"usage": usage(seq)}
+    metrics = speculation_metrics(seq)
+    if metrics is not None:
+        extra["metrics"] = metrics
+    return meta.body([], **extra)
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

@@ -1,0 +1,280 @@
+"""The OpenAI-compatible HTTP front door (`--http-port`), on aiohttp, on the gRPC server's event loop.
+
+It only translates: a body into the engine's GenerateRequest (protocol.py), the sequence's
+outputs into OpenAI's bodies and server-sent events (responses.py). Admission, validation and
+abort are Serving's, as for gRPC. aiohttp was measured against Starlette on uvicorn for this
+(bench/http_servers.py, docs/design.md): less CPU per streamed event and a shorter first byte.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+from aiohttp_sse import sse_response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from target_service.errors import RequestError
+from target_service.openai_api import protocol, responses
+from target_service.openai_api.protocol import ProtocolError
+from target_service.openai_api.responses import Completion
+from target_service.sequence import FinishReason, Output, Sequence
+from target_service.serving import Serving
+from target_service.validation import prompt_ids_of
+from tandem.tls import ServerTls
+from tandem.v1 import generation_pb2
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no token, as on vLLM
+REQUEST_ID_HEADER = "X-Request-Id"
+
+_STATUS_OF_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+_TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                   405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+# The engine's field names where OpenAI's differ: a chat's messages, a prompt of token ids.
+_OPENAI_FIELDS = {"chat.messages": "messages", "chat": "messages", "prompt_token_ids": "prompt", "input": "prompt"}
+ABORTED = "the server aborted this request (it is shutting down, or a step failed); retry it"
+
+
+class ApiError(Exception):
+    """An error response in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> web.Response:
+        error_type = _TYPE_OF_STATUS.get(self.status, "server_error")
+        return web.json_response(responses.error_body(self.message, error_type, self.param, self.code),
+                                 status=self.status)
+
+    @classmethod
+    def of_request_error(cls, err: RequestError, renamed: dict[str, str]) -> ApiError:
+        """The engine's refusal, its field named as this request named it."""
+        status = _STATUS_OF_CODE.get(err.code, 500)
+        if not err.field:
+            return cls(status, err.message)
+        head = next((f for f in (*renamed, *_OPENAI_FIELDS) if err.field == f or err.field.startswith(f + ".")
+                     or err.field.startswith(f + "[")), None)
+        param = err.field
+        if head is not None:
+            param = renamed.get(head, _OPENAI_FIELDS.get(head, head)) + err.field[len(head):]
+        problem = err.message.removeprefix(f"{err.field}: ")
+        return cls(status, f"{param}: {problem}", param, "invalid_value" if status == 400 else None)
+
+
+class OpenAIServer:
+    def __init__(self, serving: Serving, registry: CollectorRegistry, token: str, max_body_bytes: int):
+        self.serving = serving
+        self.registry = registry
+        self._token = f"Bearer {token}".encode() if token else None
+        self.max_body_bytes = max_body_bytes
+        self.started = int(time.time())
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors, self._auth])
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_post("/tokenize", self.tokenize)
+        self.app.router.add_post("/detokenize", self.detokenize)
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int, tls: ServerTls | None) -> int:
+        """Serves until stop(); returns the bound port. A client that disconnects cancels its handler."""
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, ssl_context=tls.ssl_context() if tls else None)
+        await site.start()
+        bound = self._runner.addresses[0][1]
+        log.info("serving the OpenAI API on http%s://%s:%d", "s" if tls else "", host, bound)
+        return bound
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ---- middleware --------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        try:
+            return await handler(request)
+        except ApiError as err:
+            return err.response()
+        except web.HTTPException as err:  # no such route, a method it does not take
+            if err.status < 400:
+                raise
+            return ApiError(err.status, f"{request.method} {request.path}: {err.reason}").response()
+        except Exception:  # a bug must cost this request only, and answer in the shape clients parse
+            log.exception("%s %s failed", request.method, request.path)
+            return ApiError(500, "internal error; the server logged it").response()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        if self._token is not None and request.path not in OPEN_PATHS:
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, self._token):
+                raise ApiError(401, "missing or wrong bearer token: send Authorization: Bearer <token>",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    # ---- generation --------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request, protocol.ChatCompletionRequest)
+        request_id = self._request_id(request, body.request_id)
+        renamed = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
+        if body.response_format is not None:
+            renamed["structured_outputs"] = "response_format"
+        seq = await self._submit(lambda: protocol.chat_request(body, request_id), renamed)
+        meta = Completion(f"chatcmpl-{request_id}", "chat.completion", int(time.time()), self.serving.model_name)
+        if not body.stream:
+            text = await self._collect(seq)
+            return web.json_response(responses.chat_response(meta, seq, text))
+        chunk_meta = Completion(meta.id, "chat.completion.chunk", meta.created, meta.model)
+
+        role_sent = False
+
+        def chunks(output: Output) -> list[dict[str, Any]]:
+            nonlocal role_sent
+            out = []
+            if output.token_ids and not role_sent:  # with the first token, as vLLM: it marks the TTFT
+                out.append(responses.chat_chunk(chunk_meta, {"role": "assistant", "content": ""}))
+                role_sent = True
+            if output.text:
+                out.append(responses.chat_chunk(chunk_meta, {"content": output.text}))
+            if output.finish is not None:
+                out.append(responses.chat_chunk(chunk_meta, {}, seq))
+            return out
+
+        return await self._stream(request, seq, body.stream_options, chunk_meta, chunks)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request, protocol.CompletionRequest)
+        request_id = self._request_id(request, body.request_id)
+        seq = await self._submit(lambda: protocol.completion_request(body, request_id), {})
+        meta = Completion(f"cmpl-{request_id}", "text_completion", int(time.time()), self.serving.model_name)
+        if not body.stream:
+            text = await self._collect(seq)
+            return web.json_response(responses.text_response(meta, seq, text))
+
+        def chunks(output: Output) -> list[dict[str, Any]]:
+            out = []
+            if output.text:
+                out.append(responses.text_chunk(meta, output.text))
+            if output.finish is not None:
+                out.append(responses.text_chunk(meta, "", seq))
+            return out
+
+        return await self._stream(request, seq, body.stream_options, meta, chunks)
+
+    async def _body(self, request: web.Request, model: type) -> Any:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"the body is larger than the server's limit of {self.max_body_bytes} bytes "
+                                "(--max-message-bytes)", code="request_too_large") from None
+        try:
+            body = protocol.parse_body(model, raw)
+        except ProtocolError as err:
+            raise ApiError(400, str(err), err.param, err.code) from None
+        if getattr(body, "model", None) not in (None, "", self.serving.model_name):
+            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
+                                f"`{self.serving.model_name}`", "model", "model_not_found")
+        return body
+
+    def _request_id(self, request: web.Request, from_body: str | None) -> str:
+        return request.headers.get(REQUEST_ID_HEADER) or from_body or uuid.uuid4().hex
+
+    async def _submit(self, translate: Callable[[], generation_pb2.GenerateRequest],
+                      renamed: dict[str, str]) -> Sequence:
+        try:
+            return await self.serving.submit(translate())
+        except ProtocolError as err:
+            raise ApiError(400, str(err), err.param, err.code) from None
+        except RequestError as err:
+            raise ApiError.of_request_error(err, renamed) from None
+
+    async def _collect(self, seq: Sequence) -> str:
+        parts = [output.text async for output in self.serving.outputs(seq)]
+        if seq.finish is FinishReason.ABORT:
+            raise ApiError(503, ABORTED)
+        return "".join(parts)
+
+    async def _stream(self, request: web.Request, seq: Sequence, options: protocol.StreamOptions | None,
+                      meta: Completion, chunks: Callable[[Output], list[dict[str, Any]]]) -> web.StreamResponse:
+        """Server-sent events: the chunks of each output, the usage chunk if asked, then [DONE]."""
+        include_usage = options is not None and options.include_usage
+        continuous = include_usage and options.continuous_usage_stats
+        async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
+            async for output in self.serving.outputs(seq):
+                if output.finish is FinishReason.ABORT:
+                    await sse.send(json.dumps(responses.error_body(ABORTED, "server_error")))
+                    break
+                for chunk in chunks(output):
+                    if continuous:
+                        chunk["usage"] = responses.usage(seq)
+                    await sse.send(json.dumps(chunk))
+            else:
+                if include_usage:
+                    await sse.send(json.dumps(responses.usage_chunk(meta, seq)))
+            await sse.send("[DONE]")
+        return sse
+
+    # ---- the rest ----------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.serving.model_name
+        card = {"id": name, "object": "model", "created": self.started, "owned_by": "tandem", "root": name,
+                "parent": None, "max_model_len": self.serving.config.max_model_len, "permission": []}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.serving.engine.accepting else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request, protocol.TokenizeRequest)
+        tokenizer = self.serving.loaded.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give prompt or messages, one of them", "prompt")
+        if body.prompt is not None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        else:
+            if body.add_special_tokens:
+                raise ApiError(400, "add_special_tokens: true is not supported with messages",
+                               "add_special_tokens", "unsupported_parameter")
+            try:
+                chat = protocol.chat_messages(body.messages)
+                ids = prompt_ids_of(generation_pb2.GenerateRequest(chat=chat), tokenizer,
+                                    self.serving.loaded.config.vocab_size)
+            except ProtocolError as err:
+                raise ApiError(400, str(err), err.param, err.code) from None
+            except RequestError as err:
+                raise ApiError.of_request_error(err, {}) from None
+        reply = {"count": len(ids), "max_model_len": self.serving.config.max_model_len, "tokens": ids,
+                 "token_strs": [tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None}
+        return web.json_response(reply)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request, protocol.DetokenizeRequest)
+        vocab = self.serving.loaded.config.vocab_size
+        bad = [i for i in body.tokens if not 0 <= i < vocab]
+        if bad:
+            raise ApiError(400, f"tokens: id {bad[0]} is outside the vocabulary of {vocab}", "tokens", "invalid_value")
+        return web.json_response({"prompt": self.serving.loaded.tokenizer.decode(body.tokens)})

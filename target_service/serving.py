@@ -1,0 +1,60 @@
+"""The one request path every front door shares: a GenerateRequest in, the engine's outputs out.
+
+The gRPC Generation service, the OpenAI HTTP server and the VllmEngine service only translate
+into a `generation_pb2.GenerateRequest` and out of the `Output`s of its sequence; validation,
+grammar compiling, admission and abort live here, once.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from target_service.config import TargetConfig
+from target_service.engine import Engine
+from target_service.grammars import RequestGrammars
+from target_service.sequence import Output, Sequence
+from target_service.validation import validate_request
+from tandem.runtime import LoadedModel
+from tandem.v1 import generation_pb2
+
+
+@dataclass(slots=True)
+class Serving:
+    engine: Engine
+    loaded: LoadedModel
+    config: TargetConfig
+    grammars: RequestGrammars
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    async def submit(self, request: generation_pb2.GenerateRequest) -> Sequence:
+        """The request's sequence, queued in the engine; RequestError when it is refused."""
+        prompt_ids, options = validate_request(
+            request, self.loaded.tokenizer, self.config, self.loaded.name, self.loaded.config.vocab_size
+        )
+        grammar = await self.grammars.matcher_for(options.constraint) if options.constraint else None
+        seq = self.engine.new_sequence(request.request_id, prompt_ids, options, grammar)
+        self.engine.submit(seq)
+        return seq
+
+    async def outputs(self, seq: Sequence) -> AsyncIterator[Output]:
+        """The sequence's outputs up to the one that finishes it.
+
+        A caller that stops early (its client left, its call was cancelled) aborts the sequence,
+        which frees its slot."""
+        try:
+            while True:
+                output = await seq.outbox.get()
+                yield output
+                if output.finish is not None:
+                    return
+        finally:
+            self.engine.abort(seq)  # a no-op once finished
+
+    @property
+    def drafter_model(self) -> str | None:
+        """The connected drafter's model; None when no drafter is connected."""
+        link = self.engine.tracker.link
+        return link.info.model if link is not None and link.connected else None

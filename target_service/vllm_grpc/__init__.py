@@ -1,0 +1,1 @@
+"""vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine), served on the target's gRPC port."""

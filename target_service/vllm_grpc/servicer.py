@@ -1,0 +1,178 @@
+"""vLLM's gRPC engine protocol (`vllm.grpc.engine.VllmEngine`) on the target's gRPC port.
+
+What the Shepherd Model Gateway (smg) and llm-d speak to a vLLM worker. The gateway tokenizes and
+detokenizes itself, so this service streams token ids: delta chunks, then one complete message
+with why the request finished. Requests go the same way as every other front door's (Serving).
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.metadata
+import io
+import json
+import time
+import zipfile
+from functools import cached_property
+
+import grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from target_service.errors import RequestError
+from target_service.sequence import FinishReason, Sequence
+from target_service.serving import Serving
+from target_service.vllm_grpc.request import engine_request, renamed
+
+SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
+TOKENIZER_CHUNK_BYTES = 64 * 1024
+VERSION = importlib.metadata.version("tandem")
+ABORTED = "the server aborted this request (it is shutting down, or a step failed); retry it"
+
+
+class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    def __init__(self, serving: Serving):
+        self.serving = serving
+        self.started = time.time()
+        self._running: dict[str, Sequence] = {}  # by the gateway's request_id, for Abort
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    async def Generate(self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Delta chunks of new token ids when streaming, then one complete message; a request the
+        server aborts ends with UNAVAILABLE, which the gateway retries elsewhere when nothing was sent."""
+        try:
+            seq = await self._submit(request)
+        except RequestError as err:
+            await context.abort(err.code, err.message)
+        self._running[seq.request_id] = seq
+        prompt_tokens = len(seq.prompt_ids)
+        try:
+            async for output in self.serving.outputs(seq):
+                if output.finish is FinishReason.ABORT:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, ABORTED)
+                if output.finish is not None:
+                    yield vllm_engine_pb2.GenerateResponse(complete=self._complete(seq, request.stream))
+                elif request.stream and output.token_ids:
+                    yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
+                        token_ids=output.token_ids, prompt_tokens=prompt_tokens,
+                        completion_tokens=len(output.token_ids)))
+        finally:
+            self._running.pop(seq.request_id, None)
+
+    async def _submit(self, request: vllm_engine_pb2.GenerateRequest) -> Sequence:
+        """The request's sequence; RequestError naming the field as their request names it."""
+        ours = engine_request(request)
+        try:
+            return await self.serving.submit(ours)
+        except RequestError as err:
+            raise renamed(err) from None
+
+    def _complete(self, seq: Sequence, streamed: bool) -> vllm_engine_pb2.GenerateComplete:
+        """output_ids: every generated token, unless they were streamed already."""
+        generated = seq.token_ids[len(seq.prompt_ids):]
+        complete = vllm_engine_pb2.GenerateComplete(
+            output_ids=[] if streamed else generated, finish_reason=seq.finish.value,
+            prompt_tokens=len(seq.prompt_ids), completion_tokens=len(generated),
+            spec_accepted_tokens=seq.accepted_tokens, spec_draft_tokens=seq.draft_tokens)
+        stop = seq.stop_reason
+        if isinstance(stop, str):
+            complete.matched_stop_str = stop
+        elif stop is not None:
+            complete.matched_token_id = stop
+        return complete
+
+    async def Abort(self, request: vllm_engine_pb2.AbortRequest, context) -> vllm_engine_pb2.AbortResponse:
+        """Unknown and finished ids are no error: the gateway aborts whatever stream it dropped."""
+        for request_id in request.request_ids:
+            seq = self._running.get(request_id)
+            if seq is not None:
+                self.serving.engine.abort(seq)
+        return vllm_engine_pb2.AbortResponse()
+
+    # ---- what the gateway reads of the worker -------------------------------------------------
+
+    async def HealthCheck(self, request, context) -> vllm_engine_pb2.HealthCheckResponse:
+        if self.serving.engine.accepting:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
+        return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="shutting down: draining requests")
+
+    async def GetModelInfo(self, request, context) -> vllm_engine_pb2.GetModelInfoResponse:
+        """tokenizer_path is the served name, not a path: the gateway then loads our tokenizer with
+        GetTokenizer rather than from a path that exists only on this machine."""
+        loaded, config = self.serving.loaded, self.serving.config
+        tokenizer = loaded.tokenizer
+        return vllm_engine_pb2.GetModelInfoResponse(
+            model_path=loaded.name, served_model_name=loaded.name, tokenizer_path=loaded.name,
+            is_generation=True, supports_vision=False, max_context_length=config.max_model_len,
+            max_req_input_len=config.max_model_len - 1, vocab_size=loaded.config.vocab_size,
+            model_type=loaded.config.architecture, architectures=loaded.config.to_hf()["architectures"],
+            eos_token_ids=sorted(tokenizer.eos_token_ids),
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else -1,
+            bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else -1)
+
+    async def GetServerInfo(self, request, context) -> vllm_engine_pb2.GetServerInfoResponse:
+        engine = self.serving.engine
+        return vllm_engine_pb2.GetServerInfoResponse(
+            active_requests=len(engine.running) + len(engine.waiting), is_paused=not engine.accepting,
+            uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=1,
+            max_num_seqs=self.serving.config.max_num_seqs,
+            model_dtype=str(self.serving.loaded.model.dtype).removeprefix("torch."))
+
+    async def GetLoads(self, request, context) -> vllm_engine_pb2.GetLoadsResponse:
+        engine, config = self.serving.engine, self.serving.config
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            return vllm_engine_pb2.GetLoadsResponse(timestamp=_now(), version=VERSION, dp_rank_count=1)
+        load = vllm_engine_pb2.SchedulerLoad(
+            dp_rank=0, num_running_reqs=len(engine.running), num_waiting_reqs=len(engine.waiting),
+            num_total_reqs=len(engine.running) + len(engine.waiting),
+            num_used_tokens=sum(len(seq.token_ids) for seq in engine.running),
+            max_total_num_tokens=config.max_num_seqs * config.max_model_len, token_usage=engine.kv_usage,
+            max_running_requests=config.max_num_seqs,
+            num_waiting_uncached_tokens=sum(len(seq.prompt_ids) for seq in engine.waiting))
+        return vllm_engine_pb2.GetLoadsResponse(timestamp=_now(), version=VERSION, dp_rank_count=1,
+                                                loads=[load])
+
+    async def GetTokenizer(self, request, context):
+        """A flat zip of the tokenizer's HF files, in 64 KiB chunks; the last one carries its sha256."""
+        bundle = self._tokenizer_bundle
+        chunks = [bundle[i:i + TOKENIZER_CHUNK_BYTES] for i in range(0, len(bundle), TOKENIZER_CHUNK_BYTES)]
+        for index, chunk in enumerate(chunks):
+            last = index == len(chunks) - 1
+            yield common_pb2.GetTokenizerChunk(data=chunk, sha256=hashlib.sha256(bundle).hexdigest() if last else "")
+
+    @cached_property
+    def _tokenizer_bundle(self) -> bytes:
+        loaded = self.serving.loaded
+        tokenizer = loaded.tokenizer
+        files = tokenizer.hf_files()
+        files["config.json"] = json.dumps({**loaded.config.to_hf(), "eos_token_id": sorted(tokenizer.eos_token_ids),
+                                           "bos_token_id": tokenizer.bos_token_id}, indent=2)
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as bundle:
+            for name, text in sorted(files.items()):
+                bundle.writestr(name, text)
+        return buffer.getvalue()
+
+    # ---- what this engine does not serve ------------------------------------------------------
+
+    async def Embed(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "embeddings are not served: this is a generation model")
+
+    async def SubscribeKvEvents(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published: there is no "
+                                                            "prefix cache to report on")
+
+    async def FlushCache(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "there is no prefix cache to flush")
+
+    async def StartProfile(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not served over gRPC")
+
+    async def StopProfile(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not served over gRPC")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat()
