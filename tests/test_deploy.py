@@ -62,7 +62,7 @@ def _compose_config(name: str, env: dict[str, str] | None = None) -> dict:
 @pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.cpu.yml"])
 def test_compose_file_validates_with_healthchecks_and_monitoring(name):
     services = _compose_config(name)["services"]
-    assert set(services) == {"target", "draft", "prometheus", "grafana"}
+    assert set(services) == {"target", "draft", "gateway", "prometheus", "grafana"}
     for service, port in (("target", 50051), ("draft", 50052)):
         assert services[service]["healthcheck"]["test"] == ["CMD", "python", "deploy/healthcheck.py",
                                                             f"127.0.0.1:{port}", "--ca-cert=",
@@ -77,6 +77,19 @@ def test_compose_file_validates_with_healthchecks_and_monitoring(name):
     assert mounts["/etc/prometheus"] == str(PROMETHEUS_DIR)
     assert mounts["/etc/grafana/provisioning"] == str(DEPLOY / "grafana" / "provisioning")
     assert mounts["/etc/grafana/dashboards"] == str(DASHBOARD.parent)
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.cpu.yml"])
+def test_the_gateway_publishes_the_openai_api_in_front_of_the_target(name):
+    services = _compose_config(name)["services"]
+    gateway = services["gateway"]
+    assert gateway["command"][:2] == ["smg", "launch"]
+    assert {"--backend=vllm", "--worker-urls=grpc://target:50051", "--port=8000"} <= set(gateway["command"])
+    assert gateway["healthcheck"]["test"] == ["CMD", "python", "deploy/healthcheck.py", "http://127.0.0.1:8000/health"]
+    assert gateway["depends_on"] == {"target": {"condition": "service_healthy"}}
+    assert gateway["ports"] == ["127.0.0.1:8000:8000/tcp"]
+    assert "--http-port=8000" in services["target"]["command"]
+    assert not any("auth-token" in arg for arg in services["target"]["command"])
 
 
 def test_gpu_stack_puts_target_and_draft_on_their_own_gpus():
@@ -328,3 +341,15 @@ def test_healthcheck_probe_reports_serving_and_down(observed_pair):
     down = subprocess.run([*probe, f"127.0.0.1:{free_port()}", "--timeout", "1"], capture_output=True, text=True,
                           timeout=30)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+def test_healthcheck_probe_reads_an_http_health_endpoint(front_doors):
+    probe = [sys.executable, str(DEPLOY / "healthcheck.py")]
+    base = front_doors.http_url.removesuffix("/v1")
+    done = subprocess.run([*probe, f"{base}/health"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "HTTP 200" in done.stdout, done.stderr
+    missing = subprocess.run([*probe, f"{base}/nope"], capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 1 and "HTTP 404" in missing.stdout
+    down = subprocess.run([*probe, f"http://127.0.0.1:{free_port()}/health", "--timeout", "1"], capture_output=True,
+                          text=True, timeout=30)
+    assert down.returncode == 1

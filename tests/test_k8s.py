@@ -51,7 +51,8 @@ def _flags(container: dict) -> dict[str, str]:
 def test_every_object_validates_against_the_pinned_schema(objects):
     for (kind, name), doc in objects.items():
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-    assert {kind for kind, _ in objects} == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget"}
+    assert {kind for kind, _ in objects} == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget",
+                                             "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy"}
 
 
 @pytest.mark.parametrize("name", SERVICES)
@@ -63,7 +64,10 @@ def test_flags_ports_and_probes_follow_the_service_config(objects, name):
     known = {f.name.replace("_", "-") for f in fields(config)}
     assert set(flags) <= known, set(flags) - known
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": int(flags["port"]), "metrics": int(flags["metrics-port"])}
+    expected = {"grpc": int(flags["port"]), "metrics": int(flags["metrics-port"])}
+    if "http-port" in flags:
+        expected["http"] = int(flags["http-port"])
+    assert ports == expected
     assert (int(flags["port"]), int(flags["metrics-port"])) == (config.port, config.metrics_port)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         handler = container[probe]
@@ -112,6 +116,49 @@ def test_the_gpu_overlay_asks_for_one_gpu_per_pod_and_links_with_mtls():
     assert target["drafter-ca"] == draft["tls-client-ca"] and target["drafter-client-cert"]
     probe = _container(objects, "tandem-draft")["readinessProbe"]
     assert "grpc" not in probe and "--client-cert=/etc/tandem/tls/tls.crt" in probe["exec"]["command"]
+
+
+def test_the_gateway_discovers_the_target_pods_with_the_rights_to_watch_them(objects):
+    [gateway] = objects[("Deployment", "tandem-gateway")]["spec"]["template"]["spec"]["containers"]
+    pod = objects[("Deployment", "tandem-gateway")]["spec"]["template"]["spec"]
+    assert gateway["command"] == ["smg", "launch"]
+    args = gateway["args"]
+    selector = args[args.index("--selector") + 1]
+    key, value = selector.split("=")
+    targets = objects[("Deployment", "tandem-target")]["spec"]["template"]["metadata"]["labels"]
+    assert targets[key] == value
+    flags = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+    assert int(flags["service-discovery-port"]) == TargetConfig().port and flags["backend"] == "vllm"
+    assert "--service-discovery" in args
+    env = {e["name"]: e["valueFrom"] for e in gateway["env"]}
+    assert flags["service-discovery-namespace"] == "$(POD_NAMESPACE)"
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["GATEWAY_API_KEY"]["secretKeyRef"] == {"name": "tandem-auth", "key": "token"}
+    role = objects[("Role", "tandem-gateway")]["rules"]
+    assert {"pods"} <= {r for rule in role for r in rule["resources"]}
+    assert {"list", "watch"} <= {v for rule in role for v in rule["verbs"]}
+    binding = objects[("RoleBinding", "tandem-gateway")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"]}]
+    assert binding["roleRef"]["name"] == "tandem-gateway"
+    http = {p["name"]: p["containerPort"] for p in gateway["ports"]}["http"]
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    service = objects[("Service", "tandem-gateway")]["spec"]
+    assert service["selector"].items() <= objects[("Deployment", "tandem-gateway")]["spec"]["template"][
+        "metadata"]["labels"].items()
+    assert {p["targetPort"] for p in service["ports"]} >= {"http"} and http == 8000
+
+
+def test_only_the_gateway_and_labelled_clients_reach_the_tokenless_targets(objects):
+    target = _flags(_container(objects, "tandem-target"))
+    assert "auth-token-file" not in target and "auth-token" not in target
+    policy = objects[("NetworkPolicy", "tandem-target")]["spec"]
+    labels = objects[("Deployment", "tandem-target")]["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    guarded, metrics = policy["ingress"]
+    assert {p["port"] for p in guarded["ports"]} == {"grpc", "http"}
+    sources = [peer["podSelector"]["matchLabels"] for peer in guarded["from"]]
+    assert {"app.kubernetes.io/name": "tandem-gateway"} in sources and {"tandem.io/client": "true"} in sources
+    assert metrics == {"ports": [{"port": "metrics"}]}
 
 
 # ---- monitoring: Prometheus Operator objects and the dashboard ------------------------------------
