@@ -1,13 +1,14 @@
 """The load generator: closed loop at a set concurrency, or open loop with Poisson arrivals.
 
-It speaks the public Generation API only (tandem.client), as a user would, and records what a
-user sees of each request.
+It speaks the public APIs only, as a user would: the Generation API (tandem.client), or OpenAI's
+chat completions (bench.http_client); and records what a user sees of each request.
 """
 from __future__ import annotations
 
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -102,34 +103,65 @@ def _record(prompt: Prompt, sent: float, result: GenerationResult) -> RequestRec
 
 async def run_load(address: str, prompts: list[Prompt], arrivals: Arrivals, *, temperature: float,
                    max_tokens: int, speculate: bool | None, seed: int = 0, timeout: float = 600.0) -> RunResult:
-    """Sends every prompt once, over one channel, and waits for all of them."""
+    """Sends every prompt once over the Generation API, on one channel, and waits for all of them."""
     requests = [build_request(p, i, temperature, max_tokens, speculate, seed) for i, p in enumerate(prompts)]
-    records: list[RequestRecord | None] = [None] * len(prompts)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        start = time.perf_counter()
 
-        async def one(i: int) -> None:
-            sent = time.perf_counter() - start
+        async def one(i: int, sent: float) -> RequestRecord:
             try:
-                records[i] = _record(prompts[i], sent, await generate(stub, requests[i], timeout=timeout))
+                return _record(prompts[i], sent, await generate(stub, requests[i], timeout=timeout))
             except grpc.aio.AioRpcError as e:
-                records[i] = RequestRecord(prompts[i].id, prompts[i].kind, sent, 0.0, 0.0, 0, 0, 0, 0, 0,
-                                           "error", error=f"{e.code().name}: {e.details()}")
+                return failed_record(prompts[i], sent, f"{e.code().name}: {e.details()}")
 
-        if arrivals.kind == "closed":
-            pending = iter(range(len(prompts)))
+        return await drive(len(prompts), arrivals, one)
 
-            async def worker() -> None:
-                for i in pending:  # a shared iterator: each worker takes the next prompt
-                    await one(i)
 
-            await asyncio.gather(*(worker() for _ in range(arrivals.concurrency)))
-        else:
-            tasks = []
-            for i, at in enumerate(poisson_arrivals(len(prompts), arrivals.rate, arrivals.seed)):
-                await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-                tasks.append(asyncio.create_task(one(i)))
-            await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return RunResult([r for r in records if r is not None], duration)
+async def run_http_load(url: str, model: str, prompts: list[Prompt], arrivals: Arrivals, *, temperature: float,
+                        max_tokens: int, speculate: bool | None, seed: int = 0, timeout: float = 600.0) -> RunResult:
+    """The same over OpenAI's chat completions at `url`, streamed, as an OpenAI client sends them."""
+    import aiohttp
+
+    from bench.http_client import chat_body, stream_chat  # here: it builds on this module's records
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one(i: int, sent: float) -> RequestRecord:
+            body = chat_body(prompts[i], model, temperature, max_tokens, seed + i if temperature > 0 else None,
+                             speculate)
+            try:
+                return await stream_chat(session, url, prompts[i], body, sent, timeout)
+            except aiohttp.ClientError as e:
+                return failed_record(prompts[i], sent, repr(e))
+
+        return await drive(len(prompts), arrivals, one)
+
+
+def failed_record(prompt: Prompt, sent: float, error: str) -> RequestRecord:
+    return RequestRecord(prompt.id, prompt.kind, sent, 0.0, 0.0, 0, 0, 0, 0, 0, "error", error=error)
+
+
+async def drive(n: int, arrivals: Arrivals, one: Callable[[int, float], Awaitable[RequestRecord]]) -> RunResult:
+    """Runs one(i, sent) for every request i, closed loop or open loop, and waits for all of them."""
+    records: list[RequestRecord | None] = [None] * n
+    start = time.perf_counter()
+
+    async def run(i: int) -> None:
+        records[i] = await one(i, time.perf_counter() - start)
+
+    if arrivals.kind == "closed":
+        pending = iter(range(n))
+
+        async def worker() -> None:
+            for i in pending:  # a shared iterator: each worker takes the next request
+                await run(i)
+
+        await asyncio.gather(*(worker() for _ in range(arrivals.concurrency)))
+    else:
+        tasks = []
+        for i, at in enumerate(poisson_arrivals(n, arrivals.rate, arrivals.seed)):
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+            tasks.append(asyncio.create_task(run(i)))
+        await asyncio.gather(*tasks)
+    return RunResult([r for r in records if r is not None], time.perf_counter() - start)
