@@ -132,7 +132,7 @@ async def run_http_load(url: str, model: str, prompts: list[Prompt], arrivals: A
                              speculate)
             try:
                 return await stream_chat(session, url, prompts[i], body, sent, timeout)
-            except aiohttp.ClientError as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 return failed_record(prompts[i], sent, repr(e))
 
         return await drive(len(prompts), arrivals, one)

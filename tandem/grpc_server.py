@@ -125,14 +125,19 @@ async def serve_until_signal(
     running: RunningServer,
     grace_seconds: float,
     drain: Callable[[float], Awaitable[None]],
+    also: Sequence[RunningServer] = (),
 ) -> None:
-    """Runs until SIGTERM/SIGINT, then: health NOT_SERVING, drain within the grace period, stop."""
+    """Runs until SIGTERM/SIGINT, then: health NOT_SERVING, drain within the grace period, stop.
+
+    also: more servers of the same process (another port), stopped alike."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down: draining for up to %.1f s", grace_seconds)
-    await running.set_serving(False)
+    servers = [running, *also]
+    for server in servers:
+        await server.set_serving(False)
     await drain(grace_seconds)
-    await running.server.stop(grace_seconds)
+    await asyncio.gather(*(server.server.stop(grace_seconds) for server in servers))

@@ -15,6 +15,9 @@ HELP = {
     "http_port": "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
                  "/health, /metrics, /tokenize, /detokenize), with the gRPC port's TLS and bearer token; "
                  "0 turns it off",
+    "vllm_grpc_port": "a second gRPC port serving vLLM's engine protocol (VllmEngine) alone and without the bearer "
+                      "token, for a gateway (smg), which sends none: open it only to the gateway's network; "
+                      "0 turns it off (VllmEngine is always on --port, behind the token)",
     "dtype": "auto, float32 or bfloat16 (auto: bfloat16 on CUDA and on x86 CPUs the native decoder runs on, "
              "else float32)",
     "threads": "torch CPU threads; give each service its own cores",

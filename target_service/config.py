@@ -14,6 +14,7 @@ class TargetConfig:
     port: int = 50051
     metrics_port: int = 9091  # 0 turns /metrics off
     http_port: int = 0  # the OpenAI-compatible HTTP API; 0 turns it off
+    vllm_grpc_port: int = 0  # vLLM's engine protocol alone, without the bearer token, for a gateway; 0: off
     device: str = "cpu"
     dtype: str = "auto"  # bf16 on CUDA and on CPUs with the native decoder, else fp32
     threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
@@ -51,7 +52,8 @@ class TargetConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        non_negative = {"http_port": self.http_port, "max_queue": self.max_queue,
+        non_negative = {"http_port": self.http_port, "vllm_grpc_port": self.vllm_grpc_port,
+                        "max_queue": self.max_queue,
                         "num_speculative_tokens": self.num_speculative_tokens,
                         "draft_wait_ms": self.draft_wait_ms, "grace_seconds": self.grace_seconds,
                         "min_step_ms": self.min_step_ms, "grammar_compile_timeout": self.grammar_compile_timeout}

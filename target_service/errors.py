@@ -13,6 +13,21 @@ class RequestError(Exception):
         self.message = message
         self.field = field
 
+    def renamed(self, names: dict[str, str], prefix: str = "") -> RequestError:
+        """The same error, its field named as a front door's request names it: the longest of
+        `names` that heads the field (up to a `.` or `[`) is replaced by its value; a field that
+        none heads gets `prefix`."""
+        if not self.field:
+            return self
+        heads = [n for n in names if self.field == n or self.field.startswith((n + ".", n + "["))]
+        if heads:
+            head = max(heads, key=len)
+            field = names[head] + self.field[len(head):]
+        else:
+            field = prefix + self.field
+        problem = self.message.removeprefix(f"{self.field}: ")
+        return RequestError(self.code, f"{field}: {problem}", field)
+
 
 def invalid(field: str, problem: str) -> RequestError:
     """INVALID_ARGUMENT whose message names the field to fix."""

@@ -130,6 +130,8 @@ class Sequence:
         if finish is not None and not hit_stop_string:
             tail, hit_stop_string = self.stops.add_text(self.detokenizer.flush())
             text_parts.append(tail if hit_stop_string else tail + self.stops.flush())
+            if hit_stop_string:  # the text the last token completed holds a stop string: it stopped there
+                finish = FinishReason.STOP
         output = Output(token_ids=emitted, text="".join(text_parts), num_accepted=min(num_accepted, len(emitted)))
         return output, finish
 

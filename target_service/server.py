@@ -20,10 +20,9 @@ from target_service.sequence import FinishReason, Output, Sequence
 from target_service.step import StepRunner
 from target_service.serving import Serving
 from target_service.validation import GENERATE_METHOD, UndecodableRequests
-from target_service.vllm_grpc.servicer import GENERATE_METHOD as VLLM_GENERATE
 from target_service.vllm_grpc.servicer import SERVICE_NAME as VLLM_SERVICE
-from target_service.vllm_grpc.servicer import VllmEngineServicer
-from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
+from target_service.vllm_grpc.servicer import VLLM_GENERATE_METHOD, VllmEngineServicer
+from tandem.grpc_server import RunningServer, ServerOptions, serve_until_signal, start_server
 from tandem.runtime import load_model
 from tandem.structured import GrammarCompiler, GrammarLimits
 from tandem.tls import BearerTokenInterceptor
@@ -44,11 +43,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            seq = await self.serving.submit(request)
-        except RequestError as err:
+            async with self.serving.session(request) as seq:
+                async for output in self.serving.outputs(seq):
+                    yield self._response(seq, output)
+        except RequestError as err:  # only the session's start raises it: nothing was sent yet
             await context.abort(err.code, err.message)
-        async for output in self.serving.outputs(seq):
-            yield self._response(seq, output)
 
     def _response(self, seq: Sequence, output: Output) -> generation_pb2.GenerateResponse:
         response = generation_pb2.GenerateResponse(
@@ -77,7 +76,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_model_len=self.serving.config.max_model_len,
             tokenizer_fingerprint=loaded.tokenizer.fingerprint,
             eos_token_ids=sorted(loaded.tokenizer.eos_token_ids),
-            dtype=str(model.dtype).removeprefix("torch."),
+            dtype=self.serving.dtype,
             device=str(model.device),
             draft_model=draft_model or "",
             drafter_connected=draft_model is not None,
@@ -118,30 +117,55 @@ async def serve(config: TargetConfig) -> None:
         link.start()
     engine.start()
     serving = Serving(engine, loaded, config, RequestGrammars(compiler, metrics))
-    servicer = GenerationServicer(serving)
-    vllm_servicer = VllmEngineServicer(serving)
-    options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
-                            max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,
-                            tls=config.server_tls())
-    token = config.read_auth_token()
-    running = await start_server(
-        options,
-        lambda server: _register(server, servicer, vllm_servicer),
-        [GENERATION_SERVICE, VLLM_SERVICE],
-        metrics.registry,
-        # The token is checked first: an unauthenticated caller learns nothing about its request.
-        interceptors=[*([BearerTokenInterceptor(token)] if token else []), UndecodableRequests({
-            GENERATE_METHOD: generation_pb2.GenerateRequest, VLLM_GENERATE: vllm_engine_pb2.GenerateRequest})],
-    )
-    http = None
-    if config.http_port:
-        http = OpenAIServer(serving, metrics.registry, token, config.max_message_bytes)
-        await http.start(config.host, config.http_port, config.server_tls())
+    doors = FrontDoors(serving, config, metrics)
     try:
-        await serve_until_signal(running, config.grace_seconds, engine.drain)
+        await doors.start()
+        await serve_until_signal(doors.grpc[0], config.grace_seconds, engine.drain, also=doors.grpc[1:])
     finally:
-        if http is not None:
-            await http.stop()
+        await doors.stop()
         if link is not None:
             await link.stop()
         await engine.stop()
+
+
+class FrontDoors:
+    """The servers clients reach: the gRPC port (Generation and VllmEngine), --vllm-grpc-port (VllmEngine
+    alone, without the bearer token: for a gateway, which sends none) and --http-port (OpenAI)."""
+
+    def __init__(self, serving: Serving, config: TargetConfig, metrics: TargetMetrics):
+        self.serving, self.config, self.metrics = serving, config, metrics
+        self.grpc: list[RunningServer] = []
+        self.http: OpenAIServer | None = None
+
+    async def start(self) -> None:
+        """HTTP first: once the gRPC port reports SERVING, every door is open."""
+        config, token = self.config, self.config.read_auth_token()
+        generation, vllm = GenerationServicer(self.serving), VllmEngineServicer(self.serving)
+        if config.http_port:
+            self.http = OpenAIServer(self.serving, self.metrics.registry, token, config.max_message_bytes)
+            await self.http.start(config.host, config.http_port, config.server_tls())
+        undecodable = UndecodableRequests({GENERATE_METHOD: generation_pb2.GenerateRequest,
+                                           VLLM_GENERATE_METHOD: vllm_engine_pb2.GenerateRequest})
+        self.grpc.append(await start_server(
+            self._options(config.port, config.metrics_port),
+            lambda server: _register(server, generation, vllm),
+            [GENERATION_SERVICE, VLLM_SERVICE],
+            self.metrics.registry,
+            # The token is checked first: an unauthenticated caller learns nothing about its request.
+            interceptors=[*([BearerTokenInterceptor(token)] if token else []), undecodable],
+        ))
+        if config.vllm_grpc_port:
+            self.grpc.append(await start_server(
+                self._options(config.vllm_grpc_port, 0),
+                lambda server: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm, server),
+                [VLLM_SERVICE], None, interceptors=[undecodable]))
+
+    def _options(self, port: int, metrics_port: int) -> ServerOptions:
+        config = self.config
+        return ServerOptions(host=config.host, port=port, metrics_port=metrics_port,
+                             max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,
+                             tls=config.server_tls())
+
+    async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()

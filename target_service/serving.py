@@ -6,6 +6,7 @@ grammar compiling, admission and abort live here, once.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from target_service.validation import validate_request
 from tandem.runtime import LoadedModel
 from tandem.v1 import generation_pb2
 
+SERVER_ABORTED = "the server aborted this request (it is shutting down, or a step failed); retry it"
+
 
 @dataclass(slots=True)
 class Serving:
@@ -25,12 +28,19 @@ class Serving:
     config: TargetConfig
     grammars: RequestGrammars
 
-    @property
-    def model_name(self) -> str:
-        return self.loaded.name
+    @contextlib.asynccontextmanager
+    async def session(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[Sequence]:
+        """The request's sequence, queued in the engine, for the length of the block; RequestError
+        when it is refused. Leaving the block aborts the sequence (a no-op once it finished), so a
+        door that stops early for any reason (its client left, a write failed, its call was
+        cancelled) frees the slot at once."""
+        seq = await self._submit(request)
+        try:
+            yield seq
+        finally:
+            self.engine.abort(seq)
 
-    async def submit(self, request: generation_pb2.GenerateRequest) -> Sequence:
-        """The request's sequence, queued in the engine; RequestError when it is refused."""
+    async def _submit(self, request: generation_pb2.GenerateRequest) -> Sequence:
         prompt_ids, options = validate_request(
             request, self.loaded.tokenizer, self.config, self.loaded.name, self.loaded.config.vocab_size
         )
@@ -39,22 +49,21 @@ class Serving:
         self.engine.submit(seq)
         return seq
 
-    async def outputs(self, seq: Sequence) -> AsyncIterator[Output]:
-        """The sequence's outputs up to the one that finishes it.
-
-        A caller that stops early (its client left, its call was cancelled) aborts the sequence,
-        which frees its slot."""
-        try:
-            while True:
-                output = await seq.outbox.get()
-                yield output
-                if output.finish is not None:
-                    return
-        finally:
-            self.engine.abort(seq)  # a no-op once finished
+    @staticmethod
+    async def outputs(seq: Sequence) -> AsyncIterator[Output]:
+        """The sequence's outputs up to the one that finishes it."""
+        while True:
+            output = await seq.outbox.get()
+            yield output
+            if output.finish is not None:
+                return
 
     @property
     def drafter_model(self) -> str | None:
         """The connected drafter's model; None when no drafter is connected."""
         link = self.engine.tracker.link
         return link.info.model if link is not None and link.connected else None
+
+    @property
+    def dtype(self) -> str:
+        return str(self.loaded.model.dtype).removeprefix("torch.")

@@ -20,6 +20,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_SPECULATIVE_TOKENS = 16
 MAX_TEMPERATURE = 100.0
 _SEED_MASK = (1 << 63) - 1  # seeds travel as uint64; the kernels key on non-negative int64
+UINT64_MASK = 2**64 - 1  # a front door's signed seed (int32, int64) as the uint64 a request carries
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -57,11 +58,13 @@ def _chat_ids(chat: generation_pb2.ChatMessages, tokenizer: Tokenizer) -> list[i
 
 
 def sampling_options(
-    params: generation_pb2.SamplingParams, prompt_len: int, config: TargetConfig, vocab_size: int
+    params: generation_pb2.SamplingParams, prompt_len: int, config: TargetConfig, vocab_size: int,
+    input_field: str = "prompt",
 ) -> SamplingOptions:
+    """input_field: the request's input (prompt, prompt_token_ids or chat), named when it leaves no room."""
     room = config.max_model_len - prompt_len
     if room < 1:
-        raise invalid("prompt", f"has {prompt_len} tokens; max_model_len is {config.max_model_len}, "
+        raise invalid(input_field, f"has {prompt_len} tokens; max_model_len is {config.max_model_len}, "
                                 "which leaves no room to generate")
     temperature = params.temperature if params.HasField("temperature") else 1.0
     if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
@@ -128,7 +131,7 @@ def validate_request(
     if request.model and request.model != model_name:
         raise invalid("model", f"{request.model!r} is not served here; this server serves {model_name!r}")
     ids = prompt_ids_of(request, tokenizer, vocab_size)
-    return ids, sampling_options(request.sampling_params, len(ids), config, vocab_size)
+    return ids, sampling_options(request.sampling_params, len(ids), config, vocab_size, request.WhichOneof("input"))
 
 
 GENERATE_METHOD = "/tandem.v1.Generation/Generate"

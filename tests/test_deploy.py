@@ -85,7 +85,8 @@ def test_the_gateway_publishes_the_openai_api_in_front_of_the_target(name):
     gateway = services["gateway"]
     assert gateway["command"][:2] == ["smg", "launch"]
     assert {"--backend=vllm", "--worker-urls=grpc://target:50051", "--port=8000"} <= set(gateway["command"])
-    assert gateway["healthcheck"]["test"] == ["CMD", "python", "deploy/healthcheck.py", "http://127.0.0.1:8000/health"]
+    assert gateway["healthcheck"]["test"] == ["CMD", "python", "deploy/healthcheck.py",
+                                              "http://127.0.0.1:8000/readiness"]
     assert gateway["depends_on"] == {"target": {"condition": "service_healthy"}}
     assert gateway["ports"] == ["127.0.0.1:8000:8000/tcp"]
     assert "--http-port=8000" in services["target"]["command"]

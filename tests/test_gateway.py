@@ -122,6 +122,7 @@ def test_requests_reach_both_targets(gateway, front_doors, target_b):
     for prompt in PROMPTS[:4]:
         client.chat.completions.create(model=MODEL, messages=_chat(prompt), max_tokens=4)
     after = served(front_doors), served(target_b)
+    assert httpx.get(f"{gateway}/readiness", timeout=10).status_code == 200  # what the deploy probes read
     assert after[0] - before[0] >= 1 and after[1] - before[1] >= 1
     assert (after[0] - before[0]) + (after[1] - before[1]) == 4
 

@@ -65,8 +65,9 @@ def test_flags_ports_and_probes_follow_the_service_config(objects, name):
     assert set(flags) <= known, set(flags) - known
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     expected = {"grpc": int(flags["port"]), "metrics": int(flags["metrics-port"])}
-    if "http-port" in flags:
-        expected["http"] = int(flags["http-port"])
+    for flag, port_name in (("http-port", "http"), ("vllm-grpc-port", "engine")):
+        if flag in flags:
+            expected[port_name] = int(flags[flag])
     assert ports == expected
     assert (int(flags["port"]), int(flags["metrics-port"])) == (config.port, config.metrics_port)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -128,7 +129,8 @@ def test_the_gateway_discovers_the_target_pods_with_the_rights_to_watch_them(obj
     targets = objects[("Deployment", "tandem-target")]["spec"]["template"]["metadata"]["labels"]
     assert targets[key] == value
     flags = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
-    assert int(flags["service-discovery-port"]) == TargetConfig().port and flags["backend"] == "vllm"
+    engine_port = int(_flags(_container(objects, "tandem-target"))["vllm-grpc-port"])
+    assert int(flags["service-discovery-port"]) == engine_port and flags["backend"] == "vllm"
     assert "--service-discovery" in args
     env = {e["name"]: e["valueFrom"] for e in gateway["env"]}
     assert flags["service-discovery-namespace"] == "$(POD_NAMESPACE)"
@@ -141,24 +143,25 @@ def test_the_gateway_discovers_the_target_pods_with_the_rights_to_watch_them(obj
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"]}]
     assert binding["roleRef"]["name"] == "tandem-gateway"
     http = {p["name"]: p["containerPort"] for p in gateway["ports"]}["http"]
-    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
     service = objects[("Service", "tandem-gateway")]["spec"]
     assert service["selector"].items() <= objects[("Deployment", "tandem-gateway")]["spec"]["template"][
         "metadata"]["labels"].items()
     assert {p["targetPort"] for p in service["ports"]} >= {"http"} and http == 8000
 
 
-def test_only_the_gateway_and_labelled_clients_reach_the_tokenless_targets(objects):
+def test_only_the_gateway_reaches_the_tokenless_engine_port(objects):
     target = _flags(_container(objects, "tandem-target"))
-    assert "auth-token-file" not in target and "auth-token" not in target
+    assert target["auth-token-file"], "clients' ports keep their bearer token"
     policy = objects[("NetworkPolicy", "tandem-target")]["spec"]
     labels = objects[("Deployment", "tandem-target")]["spec"]["template"]["metadata"]["labels"]
-    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
-    guarded, metrics = policy["ingress"]
-    assert {p["port"] for p in guarded["ports"]} == {"grpc", "http"}
-    sources = [peer["podSelector"]["matchLabels"] for peer in guarded["from"]]
-    assert {"app.kubernetes.io/name": "tandem-gateway"} in sources and {"tandem.io/client": "true"} in sources
-    assert metrics == {"ports": [{"port": "metrics"}]}
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items() and policy["policyTypes"] == ["Ingress"]
+    gateway_only, open_ports = policy["ingress"]
+    assert gateway_only["ports"] == [{"port": "engine"}]
+    gateway = objects[("Deployment", "tandem-gateway")]["spec"]["template"]["metadata"]["labels"]
+    [peer] = gateway_only["from"]
+    assert peer["podSelector"]["matchLabels"].items() <= gateway.items()
+    assert "from" not in open_ports and {p["port"] for p in open_ports["ports"]} == {"grpc", "http", "metrics"}
 
 
 # ---- monitoring: Prometheus Operator objects and the dashboard ------------------------------------

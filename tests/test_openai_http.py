@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import ssl
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
+import grpc
 import httpx
 import jsonschema
 import openai
 import pytest
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from cert_factory import TestCA
 from service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape
 from tandem.launch import ServiceProcess, free_port
 from tandem.tls import ClientTls
-from tandem.v1 import generation_pb2
+from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 BASE = ["--threads", "1", "--max-model-len", "512"]
 MAX_TOKENS = 24
@@ -99,6 +103,19 @@ def test_a_stream_starts_with_the_role_ends_with_why_then_usage_and_done(front_d
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+def test_continuous_usage_stats_count_the_tokens_of_every_chunk(front_doors):
+    body = {"messages": _chat(PROMPTS[0]), "temperature": 0, "max_tokens": 12, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", front_doors.http_url + "/chat/completions", json=body, timeout=120) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and 1 <= counts[0] and counts[-1] <= 12  # running counts, never backwards
+    assert chunks[-1]["choices"] == [] and counts[-1] == counts[-2]  # the usage chunk repeats the total
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+               for c in chunks)
+
+
 def test_speculation_figures_are_reported_where_vllm_puts_them(front_doors):
     """The n-gram drafter copies: its drafts are verified and the figures add up."""
     prompt = "Repeat this text exactly: " + " ".join(["alpha beta gamma delta"] * 6)
@@ -170,8 +187,7 @@ def test_bad_chat_bodies_get_an_openai_error_naming_the_parameter(front_doors, b
     error = response.json()["error"]
     assert error["param"] == param
     assert set(error) == {"message", "type", "param", "code"}
-    if param:
-        assert error["message"].startswith(param) or param in error["message"]
+    assert error["message"].startswith(param) if param and status == 400 else error["message"]
 
 
 @pytest.mark.parametrize("body, param", [
@@ -223,6 +239,9 @@ def test_models_health_tokenize_detokenize_and_metrics(front_doors, client):
     tokens = _post(front_doors, "/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
     assert tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"]) and tokens["max_model_len"] == 512
     assert _post(front_doors, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": "Hello world"}
+    for flag in (True, False):  # SmolLM2's tokenizer adds no special tokens to a plain prompt either way
+        assert _post(front_doors, "/tokenize", {"prompt": "Hello world", "add_special_tokens": flag}).json()[
+            "tokens"] == tokens["tokens"]
     chat_ids = _post(front_doors, "/tokenize", {"messages": _chat("Hello")}).json()["tokens"]
     [via_grpc] = run_requests(front_doors.address, [greedy_request("Hello", 1)])
     assert len(chat_ids) == via_grpc.prompt_tokens
@@ -232,23 +251,32 @@ def test_models_health_tokenize_detokenize_and_metrics(front_doors, client):
 
 # ---- the guarded target: TLS, a bearer token, one slot and no queue, a small body limit ------------
 
+@dataclass(frozen=True)
+class Guarded:
+    target: ServiceProcess
+    ca_file: str
+    vllm_port: int  # --vllm-grpc-port
+
+
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("openai-guarded")
     ca = TestCA(folder, "http-ca")
     server = ca.issue("server")
+    vllm_port = free_port()
     target = ServiceProcess("target_service", [*BASE, "--tls-cert", server.cert, "--tls-key", server.key,
                                                "--auth-token", TOKEN, "--max-num-seqs", "1", "--max-queue", "0",
-                                               "--max-message-bytes", "65536", "--grace-seconds", "30"],
+                                               "--max-message-bytes", "65536", "--grace-seconds", "30",
+                                               "--vllm-grpc-port", str(vllm_port)],
                             log_path=folder / "target.log", tls=ClientTls(ca.ca_file), http_port=free_port())
     try:
-        yield target.start().wait_healthy(), ca.ca_file
+        yield Guarded(target.start().wait_healthy(), ca.ca_file, vllm_port)
     finally:
         target.kill()
 
 
 def _guarded_client(guarded, token: str = TOKEN) -> httpx.Client:
-    target, ca_file = guarded
+    target, ca_file = guarded.target, guarded.ca_file
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.Client(base_url=target.http_url.removesuffix("/v1"), verify=ssl.create_default_context(cafile=ca_file),
                         headers=headers, timeout=120)
@@ -264,12 +292,47 @@ def test_tls_and_the_bearer_token(guarded):
             response = http.post("/v1/chat/completions", json=body)
             assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
             assert http.get("/health").status_code == 200  # probes need no token
-    target, ca_file = guarded
+    target, ca_file = guarded.target, guarded.ca_file
     sdk = openai.OpenAI(base_url=target.http_url, api_key=TOKEN, max_retries=0,
                         http_client=httpx.Client(verify=ssl.create_default_context(cafile=ca_file)))
     assert sdk.chat.completions.create(model="smollm2-135m", messages=_chat("hi"), max_tokens=2).choices
     with pytest.raises((httpx.RemoteProtocolError, httpx.ConnectError)):  # plaintext to a TLS port
         httpx.post(f"http://127.0.0.1:{target.http_port}/v1/chat/completions", json=body, timeout=10)
+
+
+def test_a_malformed_authorization_header_is_401_not_500(guarded):
+    target, ca_file = guarded.target, guarded.ca_file
+    raw = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+           b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+    context = ssl.create_default_context(cafile=ca_file)
+    with socket.create_connection(("127.0.0.1", target.http_port), timeout=30) as plain, \
+            context.wrap_socket(plain, server_hostname="127.0.0.1") as tls:
+        tls.sendall(raw)
+        reply = b""
+        while chunk := tls.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+
+
+def test_the_vllm_grpc_port_serves_a_gateway_without_the_token_and_nothing_else(guarded):
+    """A gateway sends no bearer token: VllmEngine alone, on a port of its own, takes none."""
+    target, ca_file = guarded.target, guarded.ca_file
+    credentials = ClientTls(ca_file).credentials()
+    health = vllm_engine_pb2.HealthCheckRequest()
+    with grpc.secure_channel(target.address, credentials) as main:
+        with pytest.raises(grpc.RpcError) as info:
+            vllm_engine_pb2_grpc.VllmEngineStub(main).HealthCheck(health, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with grpc.secure_channel(f"127.0.0.1:{guarded.vllm_port}", credentials) as engine_port:
+        assert vllm_engine_pb2_grpc.VllmEngineStub(engine_port).HealthCheck(health, timeout=10).healthy
+        params = vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=2)
+        request = vllm_engine_pb2.GenerateRequest(request_id="g", text="Hi", sampling_params=params)
+        assert list(vllm_engine_pb2_grpc.VllmEngineStub(engine_port).Generate(request, timeout=60))[-1].HasField(
+            "complete")
+        with pytest.raises(grpc.RpcError) as info:
+            list(generation_pb2_grpc.GenerationStub(engine_port).Generate(
+                greedy_request("hi", 2), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_a_body_over_the_limit_is_413(guarded):
@@ -291,14 +354,14 @@ def test_a_full_queue_is_429_and_the_next_request_is_served(guarded):
 
     refused = asyncio.run(two_at_once())
     assert refused.status_code == 429 and "max-queue" in refused.json()["error"]["message"]
-    _wait_idle(guarded[0])  # the stream's client left: its slot is freed after the step that runs it
+    _wait_idle(guarded.target)  # the stream's client left: its slot is freed after the step that runs it
     with _guarded_client(guarded) as http:
         assert http.post("/v1/chat/completions", json={"messages": _chat("hi"), "max_tokens": 2}).status_code == 200
 
 
 def test_a_draining_server_is_503_and_finishes_what_runs(guarded):
     """Last in this file: it stops the guarded target."""
-    target, _ = guarded
+    target = guarded.target
 
     async def drain():
         async with _async_guarded(guarded) as http:
@@ -317,8 +380,28 @@ def test_a_draining_server_is_503_and_finishes_what_runs(guarded):
     assert target.process.wait(60) == 0
 
 
+def test_a_stream_the_server_aborts_ends_with_an_error_event_then_done(tmp_path):
+    """Past the grace period a drain aborts what still runs: a started stream cannot change its status."""
+    target = ServiceProcess("target_service", [*BASE, "--grace-seconds", "0.5"], log_path=tmp_path / "target.log",
+                            http_port=free_port()).start().wait_healthy()
+    try:
+        body = {"messages": _chat(PROMPTS[1]), "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", target.http_url + "/chat/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            target.process.terminate()
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert "aborted" in error["message"] and error["type"] == "server_error"
+        assert target.process.wait(30) == 0
+    finally:
+        target.kill()
+
+
 def _async_guarded(guarded) -> httpx.AsyncClient:
-    target, ca_file = guarded
+    target, ca_file = guarded.target, guarded.ca_file
     return httpx.AsyncClient(base_url=target.http_url.removesuffix("/v1"),
                              verify=ssl.create_default_context(cafile=ca_file), timeout=120,
                              headers={"Authorization": f"Bearer {TOKEN}"})

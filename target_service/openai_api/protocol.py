@@ -14,11 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from target_service.validation import UINT64_MASK
 from tandem.v1 import generation_pb2, structured_pb2
 
 UINT32_MAX = 2**32 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-SEED_MASK = 2**64 - 1  # a negative int64 seed travels as its two's complement, as a uint64
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 
@@ -45,7 +45,7 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: Any = None  # a participant's name: refused (chat_messages), the chat template has no place for it
 
 
 class StreamOptions(_Body):
@@ -143,8 +143,8 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: Any = None
+    add_special_tokens: bool | None = None  # prompts: true unless false, as vLLM; messages: false only
+    add_generation_prompt: Literal[True] = True  # messages are tokenized as chat completions take them
     return_token_strs: bool = False
 
 
@@ -193,13 +193,13 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         parsed = model.model_validate_json(body)
     except ValidationError as err:
         raise _protocol_error(err) from None
+    if not isinstance(parsed, _Request):  # /tokenize and /detokenize declare only what they serve
+        return parsed
     _check_unserved(parsed)
-    if isinstance(parsed, _Request) and parsed.stream_options is not None and not parsed.stream:
+    if parsed.structured_outputs is not None:
+        _check_unserved(parsed.structured_outputs, "structured_outputs.")
+    if parsed.stream_options is not None and not parsed.stream:
         raise ProtocolError("stream_options", "is only allowed when stream is true")
-    for name in ("structured_outputs",):
-        nested = getattr(parsed, name, None)
-        if nested is not None:
-            _check_unserved(nested, f"{name}.")
     return parsed
 
 
@@ -244,7 +244,7 @@ def sampling_params(body: _Request, max_tokens: int | None) -> generation_pb2.Sa
         if value is not None:
             setattr(params, name, value)
     if body.seed is not None:
-        params.seed = body.seed & SEED_MASK
+        params.seed = body.seed & UINT64_MASK
     if max_tokens is not None:
         params.max_tokens = max_tokens
     constraint = _constraint(body)
@@ -305,6 +305,10 @@ def chat_messages(messages: list[ChatMessage], param: str = "messages") -> gener
     """Text content as the chat template takes it: a list of text parts joined by newlines."""
     out = []
     for index, message in enumerate(messages):
+        if message.name is not None:
+            raise ProtocolError(f"{param}[{index}].name", "is not supported yet: the chat template has no place "
+                                                         "for a participant's name; leave it unset",
+                                code="unsupported_parameter")
         content = message.content
         if isinstance(content, list):
             texts = []

@@ -7,12 +7,14 @@ abort are Serving's, as for gRPC. aiohttp was measured against Starlette on uvic
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -25,7 +27,7 @@ from target_service.openai_api import protocol, responses
 from target_service.openai_api.protocol import ProtocolError
 from target_service.openai_api.responses import Completion
 from target_service.sequence import FinishReason, Output, Sequence
-from target_service.serving import Serving
+from target_service.serving import SERVER_ABORTED, Serving
 from target_service.validation import prompt_ids_of
 from tandem.tls import ServerTls
 from tandem.v1 import generation_pb2
@@ -45,7 +47,6 @@ _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 40
                    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 # The engine's field names where OpenAI's differ: a chat's messages, a prompt of token ids.
 _OPENAI_FIELDS = {"chat.messages": "messages", "chat": "messages", "prompt_token_ids": "prompt", "input": "prompt"}
-ABORTED = "the server aborted this request (it is shutting down, or a step failed); retry it"
 
 
 class ApiError(Exception):
@@ -64,15 +65,53 @@ class ApiError(Exception):
     def of_request_error(cls, err: RequestError, renamed: dict[str, str]) -> ApiError:
         """The engine's refusal, its field named as this request named it."""
         status = _STATUS_OF_CODE.get(err.code, 500)
-        if not err.field:
-            return cls(status, err.message)
-        head = next((f for f in (*renamed, *_OPENAI_FIELDS) if err.field == f or err.field.startswith(f + ".")
-                     or err.field.startswith(f + "[")), None)
-        param = err.field
-        if head is not None:
-            param = renamed.get(head, _OPENAI_FIELDS.get(head, head)) + err.field[len(head):]
-        problem = err.message.removeprefix(f"{err.field}: ")
-        return cls(status, f"{param}: {problem}", param, "invalid_value" if status == 400 else None)
+        err = err.renamed({**_OPENAI_FIELDS, **renamed})
+        return cls(status, err.message, err.field or None, "invalid_value" if status == 400 and err.field else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """What differs between chat and text completions."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    whole: Callable[[Completion, Sequence, str], dict[str, Any]]
+    chunker: Callable[[Completion, Sequence], Callable[[Output], list[dict[str, Any]]]]
+
+
+def _chat_chunks(meta: Completion, seq: Sequence) -> Callable[[Output], list[dict[str, Any]]]:
+    """The role chunk with the first token (as vLLM: it marks the time to first token), a content
+    chunk per output, and the last chunk with why the choice finished."""
+    role_sent = False
+
+    def chunks(output: Output) -> list[dict[str, Any]]:
+        nonlocal role_sent
+        out = []
+        if output.token_ids and not role_sent:
+            out.append(responses.chat_chunk(meta, {"role": "assistant", "content": ""}))
+            role_sent = True
+        if output.text:
+            out.append(responses.chat_chunk(meta, {"content": output.text}))
+        if output.finish is not None:
+            out.append(responses.chat_chunk(meta, {}, seq))
+        return out
+
+    return chunks
+
+
+def _text_chunks(meta: Completion, seq: Sequence) -> Callable[[Output], list[dict[str, Any]]]:
+    def chunks(output: Output) -> list[dict[str, Any]]:
+        out = [responses.text_chunk(meta, output.text)] if output.text else []
+        if output.finish is not None:
+            out.append(responses.text_chunk(meta, "", seq))
+        return out
+
+    return chunks
+
+
+CHAT = Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", responses.chat_response, _chat_chunks)
+TEXT = Endpoint("cmpl", "text_completion", "text_completion", responses.text_response, _text_chunks)
 
 
 class OpenAIServer:
@@ -92,15 +131,13 @@ class OpenAIServer:
         self.app.router.add_post("/detokenize", self.detokenize)
         self._runner: web.AppRunner | None = None
 
-    async def start(self, host: str, port: int, tls: ServerTls | None) -> int:
-        """Serves until stop(); returns the bound port. A client that disconnects cancels its handler."""
+    async def start(self, host: str, port: int, tls: ServerTls | None) -> None:
+        """Serves until stop(). A client that disconnects cancels its handler."""
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=tls.ssl_context() if tls else None)
         await site.start()
-        bound = self._runner.addresses[0][1]
-        log.info("serving the OpenAI API on http%s://%s:%d", "s" if tls else "", host, bound)
-        return bound
+        log.info("serving the OpenAI API on http%s://%s:%d", "s" if tls else "", host, port)
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -125,7 +162,8 @@ class OpenAIServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         if self._token is not None and request.path not in OPEN_PATHS:
-            got = request.headers.get("Authorization", "").encode()
+            # aiohttp decodes header bytes with surrogateescape: encode them back the same way.
+            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(got, self._token):
                 raise ApiError(401, "missing or wrong bearer token: send Authorization: Bearer <token>",
                                code="invalid_api_key")
@@ -135,51 +173,37 @@ class OpenAIServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, protocol.ChatCompletionRequest)
-        request_id = self._request_id(request, body.request_id)
         renamed = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
         if body.response_format is not None:
             renamed["structured_outputs"] = "response_format"
-        seq = await self._submit(lambda: protocol.chat_request(body, request_id), renamed)
-        meta = Completion(f"chatcmpl-{request_id}", "chat.completion", int(time.time()), self.serving.model_name)
-        if not body.stream:
-            text = await self._collect(seq)
-            return web.json_response(responses.chat_response(meta, seq, text))
-        chunk_meta = Completion(meta.id, "chat.completion.chunk", meta.created, meta.model)
-
-        role_sent = False
-
-        def chunks(output: Output) -> list[dict[str, Any]]:
-            nonlocal role_sent
-            out = []
-            if output.token_ids and not role_sent:  # with the first token, as vLLM: it marks the TTFT
-                out.append(responses.chat_chunk(chunk_meta, {"role": "assistant", "content": ""}))
-                role_sent = True
-            if output.text:
-                out.append(responses.chat_chunk(chunk_meta, {"content": output.text}))
-            if output.finish is not None:
-                out.append(responses.chat_chunk(chunk_meta, {}, seq))
-            return out
-
-        return await self._stream(request, seq, body.stream_options, chunk_meta, chunks)
+        return await self._generate(request, body, protocol.chat_request, renamed, CHAT)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, protocol.CompletionRequest)
-        request_id = self._request_id(request, body.request_id)
-        seq = await self._submit(lambda: protocol.completion_request(body, request_id), {})
-        meta = Completion(f"cmpl-{request_id}", "text_completion", int(time.time()), self.serving.model_name)
-        if not body.stream:
-            text = await self._collect(seq)
-            return web.json_response(responses.text_response(meta, seq, text))
+        return await self._generate(request, body, protocol.completion_request, {}, TEXT)
 
-        def chunks(output: Output) -> list[dict[str, Any]]:
-            out = []
-            if output.text:
-                out.append(responses.text_chunk(meta, output.text))
-            if output.finish is not None:
-                out.append(responses.text_chunk(meta, "", seq))
-            return out
-
-        return await self._stream(request, seq, body.stream_options, meta, chunks)
+    async def _generate(self, request: web.Request, body: Any,
+                        translate: Callable[[Any, str], generation_pb2.GenerateRequest], renamed: dict[str, str],
+                        endpoint: Endpoint) -> web.StreamResponse:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or body.request_id or uuid.uuid4().hex
+        try:
+            ours = translate(body, request_id)
+        except ProtocolError as err:
+            raise ApiError(400, str(err), err.param, err.code) from None
+        created = int(time.time())
+        meta = Completion(f"{endpoint.id_prefix}-{request_id}", endpoint.object, created, self.serving.loaded.name)
+        try:
+            async with self.serving.session(ours) as seq:
+                if not body.stream:
+                    text = "".join([output.text async for output in self.serving.outputs(seq)])
+                    if seq.finish is FinishReason.ABORT:
+                        raise ApiError(503, SERVER_ABORTED)
+                    return web.json_response(endpoint.whole(meta, seq, text))
+                chunk_meta = Completion(meta.id, endpoint.chunk_object, created, meta.model)
+                return await self._stream(request, seq, body.stream_options, chunk_meta,
+                                          endpoint.chunker(chunk_meta, seq))
+        except RequestError as err:  # only the session's start raises it: nothing was sent yet
+            raise ApiError.of_request_error(err, renamed) from None
 
     async def _body(self, request: web.Request, model: type) -> Any:
         try:
@@ -191,53 +215,48 @@ class OpenAIServer:
             body = protocol.parse_body(model, raw)
         except ProtocolError as err:
             raise ApiError(400, str(err), err.param, err.code) from None
-        if getattr(body, "model", None) not in (None, "", self.serving.model_name):
+        if getattr(body, "model", None) not in (None, "", self.serving.loaded.name):
             raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
-                                f"`{self.serving.model_name}`", "model", "model_not_found")
+                                f"`{self.serving.loaded.name}`", "model", "model_not_found")
         return body
-
-    def _request_id(self, request: web.Request, from_body: str | None) -> str:
-        return request.headers.get(REQUEST_ID_HEADER) or from_body or uuid.uuid4().hex
-
-    async def _submit(self, translate: Callable[[], generation_pb2.GenerateRequest],
-                      renamed: dict[str, str]) -> Sequence:
-        try:
-            return await self.serving.submit(translate())
-        except ProtocolError as err:
-            raise ApiError(400, str(err), err.param, err.code) from None
-        except RequestError as err:
-            raise ApiError.of_request_error(err, renamed) from None
-
-    async def _collect(self, seq: Sequence) -> str:
-        parts = [output.text async for output in self.serving.outputs(seq)]
-        if seq.finish is FinishReason.ABORT:
-            raise ApiError(503, ABORTED)
-        return "".join(parts)
 
     async def _stream(self, request: web.Request, seq: Sequence, options: protocol.StreamOptions | None,
                       meta: Completion, chunks: Callable[[Output], list[dict[str, Any]]]) -> web.StreamResponse:
-        """Server-sent events: the chunks of each output, the usage chunk if asked, then [DONE]."""
+        """Server-sent events: the chunks of each output, the usage chunk if asked, then [DONE].
+
+        Once the stream has started, nothing can change its status: a client that left or stalled
+        ends it quietly (the session aborts the sequence), and any other failure is one error
+        event, as an abort by the server is."""
         include_usage = options is not None and options.include_usage
         continuous = include_usage and options.continuous_usage_stats
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
-            async for output in self.serving.outputs(seq):
-                if output.finish is FinishReason.ABORT:
-                    await sse.send(json.dumps(responses.error_body(ABORTED, "server_error")))
-                    break
-                for chunk in chunks(output):
-                    if continuous:
-                        chunk["usage"] = responses.usage(seq)
-                    await sse.send(json.dumps(chunk))
-            else:
-                if include_usage:
-                    await sse.send(json.dumps(responses.usage_chunk(meta, seq)))
-            await sse.send("[DONE]")
+            try:
+                async for output in self.serving.outputs(seq):
+                    if output.finish is FinishReason.ABORT:
+                        await sse.send(json.dumps(responses.error_body(SERVER_ABORTED, "server_error")))
+                        break
+                    for chunk in chunks(output):
+                        if continuous:
+                            chunk["usage"] = responses.usage(seq)
+                        await sse.send(json.dumps(chunk))
+                else:
+                    if include_usage:
+                        await sse.send(json.dumps(responses.usage_chunk(meta, seq)))
+                await sse.send("[DONE]")
+            except (ConnectionResetError, TimeoutError):
+                pass
+            except Exception:
+                log.exception("%s: the stream failed", seq.request_id)
+                with contextlib.suppress(ConnectionResetError, TimeoutError):
+                    await sse.send(json.dumps(responses.error_body("internal error; the server logged it",
+                                                                   "server_error")))
+                    await sse.send("[DONE]")
         return sse
 
     # ---- the rest ----------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        name = self.serving.model_name
+        name = self.serving.loaded.name
         card = {"id": name, "object": "model", "created": self.started, "owned_by": "tandem", "root": name,
                 "parent": None, "max_model_len": self.serving.config.max_model_len, "permission": []}
         return web.json_response({"object": "list", "data": [card]})
@@ -257,8 +276,8 @@ class OpenAIServer:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:
             if body.add_special_tokens:
-                raise ApiError(400, "add_special_tokens: true is not supported with messages",
-                               "add_special_tokens", "unsupported_parameter")
+                raise ApiError(400, "add_special_tokens: true is not supported with messages; the chat template "
+                                    "places the special tokens", "add_special_tokens", "unsupported_parameter")
             try:
                 chat = protocol.chat_messages(body.messages)
                 ids = prompt_ids_of(generation_pb2.GenerateRequest(chat=chat), tokenizer,

@@ -10,16 +10,17 @@ from __future__ import annotations
 from smg_grpc_proto import vllm_engine_pb2
 
 from target_service.errors import RequestError, invalid
+from target_service.validation import UINT64_MASK
 from tandem.v1 import generation_pb2, structured_pb2
 
-SEED_MASK = 2**64 - 1  # an int32 seed, negative ones included, as the uint64 our requests carry
 # Our fields by the names a VllmEngine request gives them, for messages that name the field to fix;
-# the others are SamplingParams fields of the same name.
+# the others are SamplingParams fields of the same name (RequestError.renamed).
 FIELD_NAMES = {"prompt_token_ids": "tokenized.input_ids", "prompt": "text", "input": "tokenized",
                "structured_outputs.json": "sampling_params.json_schema", "structured_outputs": "sampling_params"}
 
 
 def _refuse(field: str, problem: str = "is not supported yet") -> RequestError:
+    """INVALID_ARGUMENT for a field this engine does not serve."""
     return invalid(field, problem)
 
 
@@ -62,7 +63,7 @@ def sampling_params(params: vllm_engine_pb2.SamplingParams) -> generation_pb2.Sa
     if params.HasField("max_tokens"):
         ours.max_tokens = params.max_tokens
     if params.HasField("seed"):
-        ours.seed = params.seed & SEED_MASK
+        ours.seed = params.seed & UINT64_MASK
     constraint = _constraint(params)
     if constraint is not None:
         ours.structured_outputs.CopyFrom(constraint)
@@ -103,13 +104,3 @@ def _constraint(params: vllm_engine_pb2.SamplingParams) -> structured_pb2.Struct
     if kind in ("regex", "grammar"):
         return structured_pb2.StructuredOutputs(**{kind: getattr(params, kind)})
     raise _refuse(f"sampling_params.{kind}")
-
-
-def renamed(err: RequestError) -> RequestError:
-    """The engine's refusal with its field named as a VllmEngine request names it."""
-    if not err.field or err.field.startswith("sampling_params."):
-        return err
-    head = next((ours for ours in FIELD_NAMES if err.field == ours or err.field.startswith((ours + ".", ours + "["))),
-                None)
-    field = FIELD_NAMES[head] + err.field[len(head):] if head else f"sampling_params.{err.field}"
-    return RequestError(err.code, f"{field}: {err.message.removeprefix(err.field + ': ')}", field)

@@ -21,14 +21,13 @@ from smg_grpc_proto.generated import common_pb2
 
 from target_service.errors import RequestError
 from target_service.sequence import FinishReason, Sequence
-from target_service.serving import Serving
-from target_service.vllm_grpc.request import engine_request, renamed
+from target_service.serving import SERVER_ABORTED, Serving
+from target_service.vllm_grpc.request import FIELD_NAMES, engine_request
 
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
-GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
+VLLM_GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 VERSION = importlib.metadata.version("tandem")
-ABORTED = "the server aborted this request (it is shutting down, or a step failed); retry it"
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -36,38 +35,44 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.serving = serving
         self.started = time.time()
         self._running: dict[str, Sequence] = {}  # by the gateway's request_id, for Abort
+        self._cancelled: set[str] = set()  # running request ids an Abort call ended
 
     # ---- generation ---------------------------------------------------------------------------
 
     async def Generate(self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        """Delta chunks of new token ids when streaming, then one complete message; a request the
-        server aborts ends with UNAVAILABLE, which the gateway retries elsewhere when nothing was sent."""
+        """Delta chunks of new token ids when streaming, then one complete message. A request the
+        server aborts ends with UNAVAILABLE, which the gateway retries elsewhere when nothing was
+        sent; one that an Abort call ended, with CANCELLED."""
+        if request.request_id in self._running:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request.request_id!r} is running "
+                                                                 "already; give each request its own id")
         try:
-            seq = await self._submit(request)
+            ours = engine_request(request)  # its refusals name their fields in this protocol's terms already
         except RequestError as err:
             await context.abort(err.code, err.message)
-        self._running[seq.request_id] = seq
-        prompt_tokens = len(seq.prompt_ids)
         try:
-            async for output in self.serving.outputs(seq):
-                if output.finish is FinishReason.ABORT:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, ABORTED)
-                if output.finish is not None:
-                    yield vllm_engine_pb2.GenerateResponse(complete=self._complete(seq, request.stream))
-                elif request.stream and output.token_ids:
-                    yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
-                        token_ids=output.token_ids, prompt_tokens=prompt_tokens,
-                        completion_tokens=len(output.token_ids)))
-        finally:
-            self._running.pop(seq.request_id, None)
-
-    async def _submit(self, request: vllm_engine_pb2.GenerateRequest) -> Sequence:
-        """The request's sequence; RequestError naming the field as their request names it."""
-        ours = engine_request(request)
-        try:
-            return await self.serving.submit(ours)
-        except RequestError as err:
-            raise renamed(err) from None
+            async with self.serving.session(ours) as seq:
+                self._running[seq.request_id] = seq
+                try:
+                    async for output in self.serving.outputs(seq):
+                        if output.finish is not None:
+                            break
+                        if request.stream and output.token_ids:
+                            yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
+                                token_ids=output.token_ids, prompt_tokens=len(seq.prompt_ids),
+                                completion_tokens=len(output.token_ids)))
+                finally:
+                    del self._running[seq.request_id]
+        except RequestError as err:  # only the session's start raises it: nothing was sent yet
+            err = err.renamed(FIELD_NAMES, "sampling_params.")
+            await context.abort(err.code, err.message)
+        if seq.finish is not FinishReason.ABORT:
+            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(seq, request.stream))
+        elif seq.request_id in self._cancelled:
+            self._cancelled.discard(seq.request_id)
+            await context.abort(grpc.StatusCode.CANCELLED, "aborted by an Abort call")
+        else:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SERVER_ABORTED)
 
     def _complete(self, seq: Sequence, streamed: bool) -> vllm_engine_pb2.GenerateComplete:
         """output_ids: every generated token, unless they were streamed already."""
@@ -87,7 +92,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Unknown and finished ids are no error: the gateway aborts whatever stream it dropped."""
         for request_id in request.request_ids:
             seq = self._running.get(request_id)
-            if seq is not None:
+            if seq is not None and seq.finish is None:
+                self._cancelled.add(request_id)
                 self.serving.engine.abort(seq)
         return vllm_engine_pb2.AbortResponse()
 
@@ -99,8 +105,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="shutting down: draining requests")
 
     async def GetModelInfo(self, request, context) -> vllm_engine_pb2.GetModelInfoResponse:
-        """tokenizer_path is the served name, not a path: the gateway then loads our tokenizer with
-        GetTokenizer rather than from a path that exists only on this machine."""
+        """tokenizer_path is the model as --model named it. A name, or a path the gateway's machine
+        does not have (a .gguf file is no tokenizer folder), sends the gateway to GetTokenizer; an
+        HF folder the gateway can read too (a shared /models) it loads itself."""
         loaded, config = self.serving.loaded, self.serving.config
         tokenizer = loaded.tokenizer
         return vllm_engine_pb2.GetModelInfoResponse(
@@ -118,7 +125,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             active_requests=len(engine.running) + len(engine.waiting), is_paused=not engine.accepting,
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=1,
             max_num_seqs=self.serving.config.max_num_seqs,
-            model_dtype=str(self.serving.loaded.model.dtype).removeprefix("torch."))
+            model_dtype=self.serving.dtype)
 
     async def GetLoads(self, request, context) -> vllm_engine_pb2.GetLoadsResponse:
         engine, config = self.serving.engine, self.serving.config
