@@ -59,7 +59,7 @@ def openai_chat(base_url: str, model: str) -> None:
     """The same target through its OpenAI API, as `curl` or the OpenAI SDK would call it."""
     body = {"model": model, "messages": [{"role": "user", "content": OPENAI_QUESTION}], "max_tokens": 16,
             "temperature": 0}
-    print(f"\n$ curl {base_url}/chat/completions -d '{json.dumps(body)}'")
+    print(f"\n$ curl {base_url}/chat/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'")
     request = urllib.request.Request(f"{base_url}/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
