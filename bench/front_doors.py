@@ -16,23 +16,19 @@ import argparse
 import asyncio
 import json
 import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
 
 from bench.load import Arrivals, RequestRecord, run_http_load, run_load
 from bench.prompt_set import Prompt, load_prompts
 from bench.stats import ratio, summarize
-from tandem.launch import ServiceProcess, free_port
+from tandem.launch import GatewayProcess, ServiceProcess, free_port
 from tandem.registry import DEFAULT_MODEL
 from tandem.runtime import load_tokenizer, tokenizer_path
 
 RESULTS = Path(__file__).parent / "results" / "front_doors.json"
-SMG = Path(sys.executable).with_name("smg")
 DOORS = ("grpc", "http", "gateway")
 
 
@@ -52,8 +48,7 @@ class FrontDoorConfig:
 class Stack:
     target: ServiceProcess
     draft: ServiceProcess | None
-    gateway: subprocess.Popen | None
-    gateway_url: str = ""
+    gateway: GatewayProcess | None
 
     @classmethod
     def start(cls, config: FrontDoorConfig, logs: Path) -> "Stack":
@@ -71,36 +66,15 @@ class Stack:
             if draft is not None:
                 target.wait_metric("tandem_drafter_connected", 1)
             if config.gateway:
-                stack._start_gateway(logs)
+                stack.gateway = GatewayProcess([target.address], logs / "smg.log").start().wait_ready(DEFAULT_MODEL)
         except BaseException:
             stack.stop()
             raise
         return stack
 
-    def _start_gateway(self, logs: Path) -> None:
-        port = free_port()
-        command = [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port), "--backend", "vllm",
-                   "--worker-urls", f"grpc://{self.target.address}", "--policy", "round_robin",
-                   "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
-                   "--log-level", "warn"]
-        with open(logs / "smg.log", "wb") as out:
-            self.gateway = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        self.gateway_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        while time.monotonic() < deadline:
-            try:
-                if httpx.post(f"{self.gateway_url}/v1/chat/completions", json=body, timeout=30).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"smg did not route to the target; see {logs / 'smg.log'}")
-
     def stop(self) -> None:
         if self.gateway is not None:
             self.gateway.kill()
-            self.gateway.wait()
         self.target.terminate(10)
         if self.draft is not None:
             self.draft.terminate(10)
@@ -112,7 +86,7 @@ def run_door(stack: Stack, door: str, prompts: list[Prompt], concurrency: int, c
     if door == "grpc":
         return asyncio.run(run_load(stack.target.address, prompts, arrivals, temperature=0.0,
                                     max_tokens=config.max_tokens, speculate=speculate))
-    base = stack.gateway_url if door == "gateway" else stack.target.http_url.removesuffix("/v1")
+    base = stack.gateway.url if door == "gateway" else stack.target.http_url.removesuffix("/v1")
     # The gateway refuses fields it does not know, Tandem's `speculate` among them: leave it to the server.
     return asyncio.run(run_http_load(f"{base}/v1/chat/completions", DEFAULT_MODEL, prompts, arrivals,
                                      temperature=0.0, max_tokens=config.max_tokens,

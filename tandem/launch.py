@@ -1,12 +1,14 @@
 """Starting the services as real processes on loopback: for the demo, the tests and the benchmarks."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,3 +121,61 @@ class ServiceProcess:
         """The same service started again, on the same ports and log, after this one was stopped."""
         return ServiceProcess(self.module, self.args, port=self.port, metrics_port=self.metrics_port,
                               log_path=self.log_path, tls=self.tls, http_port=self.http_port).start()
+
+
+@dataclass
+class GatewayProcess:
+    """The Shepherd Model Gateway (`smg launch`, the `gateway` extra) in front of targets' gRPC ports,
+    speaking vLLM's engine protocol to them: for the tests and the benchmarks."""
+
+    worker_addresses: list[str]
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    policy: str = "round_robin"
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "GatewayProcess":
+        """Health checks every second, a worker out after two failures: the tests kill targets."""
+        smg = Path(sys.executable).with_name("smg")
+        command = [str(smg), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--backend", "vllm",
+                   "--worker-urls", *(f"grpc://{a}" for a in self.worker_addresses), "--policy", self.policy,
+                   "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
+                   "--health-check-interval-secs", "1", "--health-failure-threshold", "2", "--log-level", "warn"]
+        with open(self.log_path, "ab") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self, model: str, timeout: float = 120.0) -> "GatewayProcess":
+        """Until every worker is ready and a chat completion through the gateway succeeds (its
+        tokenizer, from a worker's GetTokenizer, is loaded)."""
+        deadline = time.monotonic() + timeout
+        probe = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"smg exited with {self.process.returncode}; see {self.log_path}")
+            try:
+                if len(self.ready_workers()) == len(self.worker_addresses):
+                    request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=probe.encode(),
+                                                     headers={"Content-Type": "application/json"})
+                    with urllib.request.urlopen(request, timeout=30):
+                        return self
+            except OSError:  # not listening yet, or 503 while it has no worker (HTTPError is an OSError)
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"smg did not route to {len(self.worker_addresses)} workers in {timeout:.0f} s; "
+                           f"see {self.log_path}")
+
+    def ready_workers(self) -> list[dict]:
+        """The workers the gateway's /workers lists as ready to route to."""
+        with urllib.request.urlopen(f"{self.url}/workers", timeout=5) as reply:
+            workers = json.load(reply)["workers"]
+        return [w for w in workers if w["status"] == "ready" and w["is_healthy"]]
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

@@ -278,12 +278,7 @@ class Engine:
             return
         seq, accepted = entry.seq, output.num_accepted
         self.policy.observe_verify(result.num_accepted, entry.num_drafts, seq.draft_record)
-        seq.draft_tokens += entry.num_drafts
-        seq.draft_steps += 1
-        seq.accepted_tokens += accepted
-        histogram = seq.acceptance_histogram
-        histogram.extend([0] * (accepted + 1 - len(histogram)))
-        histogram[accepted] += 1
+        seq.count_draft_step(entry.num_drafts, accepted)
         m = self.metrics
         m.num_drafts.inc()
         m.num_draft_tokens.inc(entry.num_drafts)

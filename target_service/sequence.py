@@ -75,10 +75,9 @@ class Sequence:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     token_ids: list[int] = field(default_factory=list)  # prompt + committed
     slot: int | None = None
-    draft_tokens: int = 0  # usage: drafts verified, in how many steps, and how many were committed
-    draft_steps: int = 0
-    accepted_tokens: int = 0
-    acceptance_histogram: list[int] = field(default_factory=list)  # [a]: draft steps that committed a drafts
+    draft_tokens: int = 0  # usage: drafts verified
+    # usage: [a] counts the steps that verified drafts and committed a of them (draft_steps, accepted_tokens)
+    acceptance_histogram: list[int] = field(default_factory=list)
     draft_record: DraftRecord = field(default_factory=DraftRecord)  # the verifier's verdicts, for its own alpha
     admitted_at: float | None = None
     last_token_at: float | None = None
@@ -91,6 +90,21 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def draft_steps(self) -> int:
+        """Steps that verified at least one draft."""
+        return sum(self.acceptance_histogram)
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Accepted drafts that were committed."""
+        return sum(a * steps for a, steps in enumerate(self.acceptance_histogram))
+
+    def count_draft_step(self, num_drafts: int, accepted: int) -> None:
+        self.draft_tokens += num_drafts
+        self.acceptance_histogram.extend([0] * (accepted + 1 - len(self.acceptance_histogram)))
+        self.acceptance_histogram[accepted] += 1
 
     @property
     def stop_reason(self) -> int | str | None:

@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -22,9 +21,8 @@ import openai
 import pytest
 
 from service_fixtures import PROMPTS, metric, scrape
-from tandem.launch import ServiceProcess, free_port
+from tandem.launch import GatewayProcess, ServiceProcess
 
-SMG = Path(sys.executable).with_name("smg")
 MODEL = "smollm2-135m"
 MAX_TOKENS = 24
 
@@ -42,44 +40,11 @@ def target_b(shared_drafter, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gateway(front_doors, target_b, tmp_path_factory):
-    log = tmp_path_factory.mktemp("gateway") / "smg.log"
-    port = free_port()
-    command = [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port), "--backend", "vllm",
-               "--worker-urls", f"grpc://{front_doors.address}", f"grpc://{target_b.address}",
-               "--policy", "round_robin", "--prometheus-port", str(free_port()),
-               "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
-               "--health-failure-threshold", "2", "--log-level", "warn"]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    process = GatewayProcess([front_doors.address, target_b.address], tmp_path_factory.mktemp("gateway") / "smg.log")
     try:
-        _wait_for_workers(url, process, log, count=2)
-        yield url
+        yield process.start().wait_ready(MODEL).url
     finally:
         process.kill()
-        process.wait()
-
-
-def _wait_for_workers(url: str, process: subprocess.Popen, log: Path, count: int, timeout: float = 120) -> None:
-    """Until the gateway routes chat to the model: both workers registered, the tokenizer loaded."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"smg exited with {process.returncode}; see {log}"
-        try:
-            workers = httpx.get(f"{url}/workers", timeout=5).json()
-            probe = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
-                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
-            if len(_ready(workers)) == count and probe.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"smg did not route to {count} workers in {timeout:.0f} s; see {log}")
-
-
-def _ready(workers: dict) -> list[dict]:
-    """The workers smg's /workers lists as ready to route to."""
-    return [w for w in workers["workers"] if w["status"] == "ready" and w["is_healthy"]]
 
 
 def _client(gateway: str) -> openai.OpenAI:

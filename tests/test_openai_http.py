@@ -400,6 +400,36 @@ def test_a_stream_the_server_aborts_ends_with_an_error_event_then_done(tmp_path)
         target.kill()
 
 
+def test_a_drafter_killed_mid_stream_costs_the_http_client_nothing(tmp_path):
+    draft = ServiceProcess("draft_service", ["--drafter", "ngram", "--threads", "1"], log_path=tmp_path / "draft.log")
+    target = ServiceProcess("target_service", [*BASE, "--drafter", draft.address], log_path=tmp_path / "target.log",
+                            http_port=free_port())
+    try:
+        draft.start()
+        target.start()
+        draft.wait_healthy()
+        target.wait_healthy().wait_metric("tandem_drafter_connected", 1)
+        body = {"messages": _chat(PROMPTS[4]), "temperature": 0, "max_tokens": 120, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", target.http_url + "/chat/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            events = []
+            while not events:
+                line = next(lines)
+                events += [line[6:]] if line.startswith("data: ") else []
+            draft.kill()
+            events += [line[6:] for line in lines if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in events[:-1]]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        alone = httpx.post(target.http_url + "/chat/completions", timeout=120, json={
+            "messages": _chat(PROMPTS[4]), "temperature": 0, "max_tokens": 120, "speculate": False}).json()
+        assert events[-1] == "[DONE]" and text == alone["choices"][0]["message"]["content"]
+        assert chunks[-1]["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
+    finally:
+        target.kill()
+        draft.kill()
+
+
 def _async_guarded(guarded) -> httpx.AsyncClient:
     target, ca_file = guarded.target, guarded.ca_file
     return httpx.AsyncClient(base_url=target.http_url.removesuffix("/v1"),

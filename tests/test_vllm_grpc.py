@@ -146,43 +146,28 @@ def test_a_text_prompt_is_taken_too(stub):
     assert [r for r in stub.Generate(request, timeout=60) if r.HasField("complete")]
 
 
-def test_an_abort_call_ends_the_stream_cancelled_and_frees_the_slot(front_doors):
-    async def abort_midway():
+def test_a_running_id_is_refused_again_and_an_abort_call_ends_it_cancelled(front_doors):
+    async def run_then_abort():
         async with grpc.aio.insecure_channel(front_doors.address) as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
             call = stub.Generate(_request([1, 2, 3, 4], request_id="abort-me", max_tokens=400, ignore_eos=True))
             async for _ in call:
                 break
+            with pytest.raises(grpc.aio.AioRpcError) as again:
+                async for _ in stub.Generate(_request([1, 2, 3], request_id="abort-me", max_tokens=2)):
+                    pass
             await stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=["abort-me", "never-seen"]))
-            with pytest.raises(grpc.aio.AioRpcError) as info:
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
                 async for _ in call:
                     pass
-            return info.value.code()
+            return again.value.code(), ended.value.code()
 
     before = metric(scrape(front_doors.metrics_url), "tandem_request_success_total", finish_reason="abort")
-    assert asyncio.run(abort_midway()) == grpc.StatusCode.CANCELLED  # not UNAVAILABLE: a gateway would retry that
+    # CANCELLED, not UNAVAILABLE: a gateway would retry that elsewhere
+    assert asyncio.run(run_then_abort()) == (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.CANCELLED)
     samples = scrape(front_doors.metrics_url)
     assert metric(samples, "tandem_request_success_total", finish_reason="abort") == before + 1
     assert metric(samples, "tandem_num_requests_running") == 0 and metric(samples, "tandem_num_requests_waiting") == 0
-
-
-def test_a_request_id_already_running_is_refused(front_doors):
-    async def twice():
-        async with grpc.aio.insecure_channel(front_doors.address) as channel:
-            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-            first = stub.Generate(_request([1, 2, 3, 4], request_id="twice", max_tokens=200, ignore_eos=True))
-            async for _ in first:
-                break
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                async for _ in stub.Generate(_request([1, 2, 3], request_id="twice", max_tokens=2)):
-                    pass
-            await stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=["twice"]))
-            with pytest.raises(grpc.aio.AioRpcError) as ended:
-                async for _ in first:
-                    pass
-            return info.value.code(), ended.value.code()
-
-    assert asyncio.run(twice()) == (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.CANCELLED)
 
 
 def test_health_model_server_info_and_loads(front_doors, stub):

@@ -7,6 +7,7 @@ abort are Serving's, as for gRPC. aiohttp was measured against Starlette on uvic
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -265,7 +266,9 @@ class OpenAIServer:
         return web.Response(status=200 if self.serving.engine.accepting else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        # Off the event loop, which the gRPC server and the step loop share: routers scrape often.
+        body = await asyncio.to_thread(generate_latest, self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request, protocol.TokenizeRequest)

@@ -6,6 +6,7 @@ with why the request finished. Requests go the same way as every other front doo
 """
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import importlib.metadata
@@ -13,7 +14,6 @@ import io
 import json
 import time
 import zipfile
-from functools import cached_property
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
@@ -36,6 +36,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.started = time.time()
         self._running: dict[str, Sequence] = {}  # by the gateway's request_id, for Abort
         self._cancelled: set[str] = set()  # running request ids an Abort call ended
+        self._bundle: bytes | None = None  # GetTokenizer's zip
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -143,13 +144,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetTokenizer(self, request, context):
         """A flat zip of the tokenizer's HF files, in 64 KiB chunks; the last one carries its sha256."""
-        bundle = self._tokenizer_bundle
+        if self._bundle is None:  # built once, off the event loop: it deflates the whole vocabulary
+            self._bundle = await asyncio.to_thread(self._tokenizer_bundle)
+        bundle = self._bundle
+        digest = hashlib.sha256(bundle).hexdigest()
         chunks = [bundle[i:i + TOKENIZER_CHUNK_BYTES] for i in range(0, len(bundle), TOKENIZER_CHUNK_BYTES)]
         for index, chunk in enumerate(chunks):
-            last = index == len(chunks) - 1
-            yield common_pb2.GetTokenizerChunk(data=chunk, sha256=hashlib.sha256(bundle).hexdigest() if last else "")
+            yield common_pb2.GetTokenizerChunk(data=chunk, sha256=digest if index == len(chunks) - 1 else "")
 
-    @cached_property
     def _tokenizer_bundle(self) -> bytes:
         loaded = self.serving.loaded
         tokenizer = loaded.tokenizer
