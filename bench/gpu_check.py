@@ -150,7 +150,7 @@ def _measure_bandwidth(report: Report, device: torch.device) -> None:
 def gpu_test_files() -> list[str]:
     """The test files that hold `gpu` tests: naming them keeps pytest from importing the rest
     (grpc, tokenizers), which the GPU machine may lack."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
 
 
 def run_gpu_tests(timeout_s: int) -> dict[str, Any]:

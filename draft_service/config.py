@@ -43,7 +43,6 @@ class DraftConfig:
     suffix_cache_tokens: int = 200_000
     suffix_confidence: float = 0.75
     grammar_cache_size: int = 256
-    delay_ms: float = 0.0  # testing: simulates a slow drafter
     grace_seconds: float = 5.0
     log_level: str = "info"
     max_message_bytes: int = 16 * 1024 * 1024
@@ -80,7 +79,7 @@ HELP = {
                "else the model) or eagle3 (an EAGLE-3 head that reads the target's features: --model is its "
                "folder, --drafter-target its target checkpoint)",
     "model": "embedded name (smollm2-135m-draft, the distilled drafter; smollm2-135m), a .gguf file, an HF "
-             "folder, or a drafter file from python -m draft_service.distill; the ngram drafter loads only "
+             "folder, or a drafter file from python -m training; the ngram drafter loads only "
              "its tokenizer, to report the vocabulary",
     "drafter_target": "for a distilled drafter file: the target checkpoint whose embedding and head rows "
                       "it uses (its fingerprint must match); empty: the target the file names. For an EAGLE-3 "
@@ -113,7 +112,6 @@ HELP = {
     "suffix_confidence": "suffix+model: take the suffix draft when its expected accepted tokens reach this "
                          "share of k, else ask the model",
     "grammar_cache_size": "structured output: compiled grammars kept, by content hash (least recently used go first)",
-    "delay_ms": "for tests: sleep this long before sending each batch of proposals (a slow drafter)",
     "grace_seconds": "on SIGTERM, how long the service may take to end its streams and stop",
     "log_level": "debug, info, warning or error",
     "max_message_bytes": "the largest gRPC message either way",
@@ -141,7 +139,6 @@ _RANGES = {
     "suffix_cache_tokens": (0, None),
     "suffix_confidence": (0, 1),
     "grammar_cache_size": (1, None),
-    "delay_ms": (0, None),
     "grace_seconds": (0, None),
     "max_message_bytes": (1, None),
 }

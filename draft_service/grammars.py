@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from draft_service.drafter import Draft, DraftSequence, SeqKey
-from draft_service.kv_slots import common_prefix_len
+from draft_service.drafters.kv_slots import common_prefix_len
 from kernels.compression import pack, point_mass, truncate_packed
 from tandem.structured import CompiledGrammar, ConstraintError, GrammarCompiler
 from tandem.structured.grammar import Matcher

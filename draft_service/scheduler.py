@@ -97,7 +97,7 @@ class Round:
 
 
 class DraftScheduler:
-    def __init__(self, drafter: Drafter, metrics: DraftMetrics, limits: Limits, delay_s: float = 0.0,
+    def __init__(self, drafter: Drafter, metrics: DraftMetrics, limits: Limits,
                  max_fanout: int = 0, guesses: int = 1, grammars: DraftGrammars | None = None):
         """max_fanout: outcomes pre-drafted per proposal at most; -1: all of them, 0: none.
         guesses: the drafter's guesses at each recovered token; with the bonus outcome, k * guesses + 1 in all.
@@ -106,7 +106,6 @@ class DraftScheduler:
         self._grammars = grammars
         self._metrics = metrics
         self._limits = limits
-        self._delay_s = delay_s
         self._predrafter = Predrafter(limits.max_k * guesses + 1 if max_fanout < 0 else max_fanout, metrics)
         # One thread: forwards never overlap, and the event loop stays free for Info, health and metrics.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
@@ -319,8 +318,6 @@ class DraftScheduler:
             if work.jobs:
                 self._metrics.step_duration.observe(elapsed)
                 self._metrics.batch_size.observe(len(work.jobs))
-            if drafts and self._delay_s:
-                await asyncio.sleep(self._delay_s)
             if work.predraft:
                 self._deliver_predrafts(drafts, elapsed)
             else:

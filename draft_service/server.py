@@ -14,12 +14,12 @@ import grpc
 from draft_service.config import DraftConfig
 from draft_service.grammars import DraftGrammars
 from draft_service.drafter import Drafter
-from draft_service.eagle_drafter import Eagle3Drafter
+from draft_service.drafters.eagle3 import Eagle3Drafter
 from draft_service.metrics import DraftMetrics
-from draft_service.model_drafter import ModelDrafter
-from draft_service.ngram_drafter import NgramDrafter
-from draft_service.suffix_drafter import SuffixDrafter, SuffixFrontDrafter
-from draft_service.suffix_index import SuffixParams
+from draft_service.drafters.model import ModelDrafter
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.drafters.suffix import SuffixDrafter, SuffixFrontDrafter
+from draft_service.drafters.suffix_index import SuffixParams
 from draft_service.scheduler import DraftScheduler, Limits, Stream
 from tandem.config import ModelConfig
 from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
@@ -132,7 +132,7 @@ async def serve(config: DraftConfig) -> None:
                     max_seqs_per_target=config.max_seqs_per_target)
     # Only a model has a distribution to guess recovered tokens from; the lookup drafters guess none.
     guesses = config.predraft_guesses if config.drafter in ("model", "suffix+model", "eagle3") else 1
-    scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits, delay_s=config.delay_ms / 1000,
+    scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits,
                                max_fanout=config.max_fanout, guesses=guesses, grammars=loaded.grammars)
     servicer = DrafterServicer(loaded.info, scheduler)
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,

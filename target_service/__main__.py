@@ -30,8 +30,6 @@ HELP = {
                      "(expected accepted tokens x step time) and not at all for a drafter slower than that; "
                      "0 never waits",
     "sync_speculation": "wait for the drafter every step (the blocking baseline, for benchmarks)",
-    "min_step_ms": "for tests: each decode or verify step lasts at least this long (a tiny model made to "
-                   "step like a larger one, so that a drafter of its size is ahead of it)",
     "grammar_cache_size": "structured output: compiled grammars kept, by content hash (least recently used go first)",
     "grammar_compile_timeout": "structured output: seconds a constraint may take to compile before its request "
                                "gets INVALID_ARGUMENT",

@@ -26,7 +26,6 @@ class TargetConfig:
     num_speculative_tokens: int = 4
     draft_wait_ms: float = 50.0  # the most a step waits for drafts (the policy usually waits less); 0 never waits
     sync_speculation: bool = False  # wait for each step's drafts (the pre-non-blocking baseline)
-    min_step_ms: float = 0.0  # testing: a decode or verify step takes at least this long, as a larger model's
     reconnect_max_seconds: float = 5.0
     grammar_cache_size: int = 256  # compiled structured-output grammars kept, by content hash
     grammar_compile_timeout: float = 10.0  # seconds; a constraint that takes longer gets INVALID_ARGUMENT
@@ -56,7 +55,7 @@ class TargetConfig:
                         "max_queue": self.max_queue,
                         "num_speculative_tokens": self.num_speculative_tokens,
                         "draft_wait_ms": self.draft_wait_ms, "grace_seconds": self.grace_seconds,
-                        "min_step_ms": self.min_step_ms, "grammar_compile_timeout": self.grammar_compile_timeout}
+                        "grammar_compile_timeout": self.grammar_compile_timeout}
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")

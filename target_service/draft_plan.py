@@ -1,17 +1,16 @@
 """A step's draft plan: the drafts each running sequence verifies, decided once per step.
 
-DraftTracker.plan matches each sequence's proposals once and cuts them to the sequence's cap;
-DraftTracker.take cuts them to the step's budget for each. The runner, the wait, the step's metrics and the
-usage accounting all read the plan; nothing matches drafts again later in the step.
+Speculator.schedule matches each sequence's proposals and cuts them to the sequence's cap and the
+step's budget. The runner, the step's metrics and the usage accounting all read the plan; nothing
+matches drafts again later in the step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from target_service.drafts import HeldProposal, UsableDrafts
+from target_service.drafts import Proposal, UsableDrafts
 from target_service.sequence import Sequence
-from target_service.speculation import DraftRecord
-from target_service.step import VerifyItem
+from target_service.model_runner import VerifyItem
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,12 +21,12 @@ class PlannedDrafts:
     cap: int  # the most drafts it can verify: its k, the tokens it may still add, its KV room; 0 if not speculating
     drafts: UsableDrafts | None  # matched, at most the cap, and once taken at most the budget
     awaiting: bool  # it can verify drafts, has none, and the drafter has not answered its prefix yet
-    source: HeldProposal | None = None  # the held proposal the drafts come from
+    source: Proposal | None = None  # the held proposal the drafts come from
 
     @property
     def cached(self) -> bool:
         """The drafts come from a pre-draft: the speculation cache had them when the step began."""
-        return self.drafts is not None and self.source is not None and bool(self.source.proposal.assumed)
+        return self.drafts is not None and self.source is not None and bool(self.source.assumed)
 
     @property
     def num_drafts(self) -> int:
@@ -46,10 +45,6 @@ class DraftPlan:
     @property
     def seqs(self) -> list[Sequence]:
         return [e.seq for e in self.entries]
-
-    @property
-    def records(self) -> list[DraftRecord]:
-        return [e.seq.draft_record for e in self.entries]
 
     @property
     def caps(self) -> list[int]:

@@ -18,9 +18,9 @@ import random
 
 import grpc
 
-from target_service.draft_tracker import DraftTracker
 from target_service.drafter_addresses import Candidate, DrafterAddresses
 from target_service.metrics import TargetMetrics
+from target_service.speculator import DrafterPeer
 from tandem.grpc_server import channel_options
 from tandem.hidden_states import FeatureError, FeatureLayout
 from tandem.tls import ClientTls
@@ -42,14 +42,14 @@ class DrafterStalled(Exception):
 
 
 class DrafterLink:
-    def __init__(self, drafters: str | DrafterAddresses, tracker: DraftTracker, metrics: TargetMetrics, *,
+    def __init__(self, drafters: str | DrafterAddresses, peer: DrafterPeer, metrics: TargetMetrics, *,
                  vocab_size: int, tokenizer_fingerprint: str, reconnect_max_seconds: float, max_message_bytes: int,
                  tls: ClientTls | None = None, max_pending_updates: int = MAX_PENDING_UPDATES,
                  num_layers: int = 0, hidden_size: int = 0):
         """num_layers, hidden_size: the target's, which a drafter that reads features must fit."""
         self.drafters = drafters if isinstance(drafters, DrafterAddresses) else DrafterAddresses.parse(drafters)
         self.address = ""  # the drafter tried or connected last
-        self.tracker = tracker  # hears every proposal, and reopens the running sequences on each connect
+        self.peer = peer  # hears every proposal, and reopens the running sequences on each connect
         self.metrics = metrics
         self.vocab_size = vocab_size
         self.tokenizer_fingerprint = tokenizer_fingerprint
@@ -147,11 +147,11 @@ class DrafterLink:
             self._set_connected(True)
             self._went_up = True
             log.info("drafter connected: %s (%s, k <= %d) at %s", info.model, info.kind, info.max_k, self.address)
-            self._queue.put_nowait(self.tracker.reopen_all())
+            self._queue.put_nowait(self.peer.reopen_all())
             self._call = call = stub.Speculate(self._updates())
             try:
                 async for message in call:
-                    self.tracker.on_proposals(message, message.ByteSize())
+                    self.peer.on_proposals(message, message.ByteSize())
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if not self._stalled or getattr(task, "cancelling", lambda: 0)():  # link.stop() wins

@@ -8,9 +8,9 @@ from target_service.sequence import Sequence
 from tandem.v1 import drafter_pb2
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Proposal:
-    """Validated drafts: tokens[i] is a guess for position base_len + i.
+    """Validated drafts, as the target holds them: tokens[i] is a guess for position base_len + i.
 
     A pre-draft (from the drafter's speculation cache) also names the tokens it assumes at
     positions known_len .. base_len - 1, beyond the committed tokens the drafter knew: it is
@@ -20,21 +20,12 @@ class Proposal:
     base_len: int
     tokens: tuple[int, ...]
     probs: CompressedProbs | None  # [len(tokens), K] q' rows; None when ids suffice
-    received_at: float
     assumed: tuple[int, ...] = ()
-
+    used: bool = False  # a step has verified drafts of it
     @property
     def known_len(self) -> int:
         """The committed prefix the drafter drafted from, before its assumed tokens."""
         return self.base_len - len(self.assumed)
-
-
-@dataclass(slots=True)
-class HeldProposal:
-    """A proposal the target keeps for a sequence, and whether a step has verified its drafts."""
-
-    proposal: Proposal
-    used: bool = False
 
 
 class InvalidProposal(ValueError):
@@ -51,7 +42,6 @@ def validate_proposal(
     vocab_size: int,
     max_k: int,
     probs_top_k: int,
-    now: float,
     accepts_assumed: bool = False,
 ) -> Proposal:
     """Checks everything the drafter sent for one sequence; raises InvalidProposal.
@@ -81,7 +71,7 @@ def validate_proposal(
             probs = unpack(msg.probs, len(tokens), msg.probs_top_k, vocab_size)
         except InvalidDraftProbs as err:
             raise InvalidProposal("probs", str(err)) from err
-    return Proposal(base_len=msg.base_len, tokens=tokens, probs=probs, received_at=now, assumed=assumed)
+    return Proposal(base_len=msg.base_len, tokens=tokens, probs=probs, assumed=assumed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +95,10 @@ class ProposalMatch:
 
     drafts: UsableDrafts | None  # the drafts that continue them; None for none
     contradicted: bool  # the committed tokens contradict its assumed tokens or drafts: never usable
-    pending: bool = False  # a pre-draft whose assumed tokens are not all committed yet
     exhausted: bool = False  # every draft is committed already: all accepted, then the bonus token
-    cached: bool = False  # the drafts come from a pre-draft whose assumed tokens were committed
 
 
 NO_MATCH = ProposalMatch(drafts=None, contradicted=False)
-PENDING = ProposalMatch(drafts=None, contradicted=False, pending=True)
 EXHAUSTED = ProposalMatch(drafts=None, contradicted=False, exhausted=True)
 
 
@@ -131,15 +118,15 @@ def match_proposal(proposal: Proposal, token_ids: list[int], limit: int) -> Prop
     if since[:overlap] != proposed[:overlap]:
         return ProposalMatch(drafts=None, contradicted=True)
     skip = len(token_ids) - proposal.base_len  # drafts already committed
-    if skip < 0:
-        return PENDING
+    if skip < 0:  # a pre-draft whose assumed tokens are not all committed yet
+        return NO_MATCH
     if skip >= len(proposal.tokens):
         return EXHAUSTED
     tokens = proposal.tokens[skip : skip + max(limit, 0)]
     if not tokens:
         return NO_MATCH
     drafts = UsableDrafts(tokens, _rows(proposal.probs, slice(skip, skip + len(tokens))), salvaged=skip > 0)
-    return ProposalMatch(drafts=drafts, contradicted=False, cached=bool(proposal.assumed))
+    return ProposalMatch(drafts=drafts, contradicted=False)
 
 
 def _rows(probs: CompressedProbs | None, rows: slice) -> CompressedProbs | None:

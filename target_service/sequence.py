@@ -1,6 +1,6 @@
-"""A request's state while the target serves it: tokens, KV slot, usage, output stream.
+"""A request's state while the target serves it: status, tokens, KV slot, usage, output stream.
 
-What the drafter knows of it, and proposed for it, is the DraftTracker's (draft_tracker.py)."""
+What the drafter knows of it, and proposed for it, is the Speculator's (drafter_state.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,6 @@ import logging
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.structured import Constraint
 from tandem.structured.grammar import Matcher
-from target_service.speculation import DraftRecord
 from target_service.stops import StopChecker
 
 log = logging.getLogger(__name__)
@@ -47,6 +46,12 @@ class SamplingOptions:
         return not self.greedy and not self.drafter_invariant
 
 
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for admission
+    RUNNING = "running"  # holds a KV slot; steps prefill, then decode or verify it
+    FINISHED = "finished"  # its slot is freed and its last message sent
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -74,11 +79,11 @@ class Sequence:
     stops: StopChecker
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     token_ids: list[int] = field(default_factory=list)  # prompt + committed
+    status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
     draft_tokens: int = 0  # usage: drafts verified
     # usage: [a] counts the steps that verified drafts and committed a of them (draft_steps, accepted_tokens)
     acceptance_histogram: list[int] = field(default_factory=list)
-    draft_record: DraftRecord = field(default_factory=DraftRecord)  # the verifier's verdicts, for its own alpha
     admitted_at: float | None = None
     last_token_at: float | None = None
     finish: FinishReason | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -13,12 +14,15 @@ from target_service.config import TargetConfig
 from target_service.drafter_link import DrafterLink
 from target_service.engine import Engine
 from target_service.errors import RequestError
-from target_service.grammars import RequestGrammars
+from target_service.request_grammars import RequestGrammars
 from target_service.metrics import TargetMetrics
 from target_service.openai_api.server import OpenAIServer
+from target_service.scheduler import Scheduler
 from target_service.sequence import FinishReason, Output, Sequence
-from target_service.step import StepRunner
+from target_service.model_runner import ModelRunner
 from target_service.serving import Serving
+from target_service.speculation import speculation_policy
+from target_service.speculator import Speculator
 from target_service.validation import GENERATE_METHOD, UndecodableRequests
 from target_service.vllm_grpc.servicer import SERVICE_NAME as VLLM_SERVICE
 from target_service.vllm_grpc.servicer import VLLM_GENERATE_METHOD, VllmEngineServicer
@@ -98,22 +102,26 @@ async def serve(config: TargetConfig) -> None:
         num_slots=config.max_num_seqs, max_model_len=config.max_model_len,
     )
     metrics = TargetMetrics(loaded.name)
-    engine = Engine(StepRunner(loaded.model, metrics), loaded.model.kv_cache, loaded.tokenizer,
-                    loaded.config.vocab_size, config, metrics)
-    compiler = await asyncio.to_thread(
-        GrammarCompiler, loaded.tokenizer, loaded.config.vocab_size,
-        GrammarLimits(compile_seconds=config.grammar_compile_timeout, cache_size=config.grammar_cache_size))
-    await asyncio.to_thread(engine.runner.warm_up)
-    link = None
+    connect = None
     if config.drafter:
-        link = DrafterLink(
-            config.drafter, engine.tracker, metrics, vocab_size=loaded.config.vocab_size,
+        connect = functools.partial(
+            DrafterLink, config.drafter, metrics=metrics, vocab_size=loaded.config.vocab_size,
             tokenizer_fingerprint=loaded.tokenizer.fingerprint,
             reconnect_max_seconds=config.reconnect_max_seconds, max_message_bytes=config.max_message_bytes,
             tls=config.drafter_link_tls(), num_layers=loaded.config.num_layers,
             hidden_size=loaded.config.hidden_size,
         )
-        engine.tracker.link = link
+    kv_cache = loaded.model.kv_cache
+    speculator = Speculator(speculation_policy(config), metrics, vocab_size=loaded.config.vocab_size,
+                            max_len=kv_cache.max_len, connect=connect)
+    scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_queue, metrics)
+    engine = Engine(ModelRunner(loaded.model, metrics), scheduler, speculator, loaded.tokenizer, config, metrics)
+    compiler = await asyncio.to_thread(
+        GrammarCompiler, loaded.tokenizer, loaded.config.vocab_size,
+        GrammarLimits(compile_seconds=config.grammar_compile_timeout, cache_size=config.grammar_cache_size))
+    await asyncio.to_thread(engine.runner.warm_up)
+    link = speculator.link
+    if link is not None:
         link.start()
     engine.start()
     serving = Serving(engine, loaded, config, RequestGrammars(compiler, metrics))

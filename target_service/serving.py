@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from target_service.config import TargetConfig
 from target_service.engine import Engine
-from target_service.grammars import RequestGrammars
+from target_service.request_grammars import RequestGrammars
 from target_service.sequence import Output, Sequence
 from target_service.validation import validate_request
 from tandem.runtime import LoadedModel
@@ -61,8 +61,7 @@ class Serving:
     @property
     def drafter_model(self) -> str | None:
         """The connected drafter's model; None when no drafter is connected."""
-        link = self.engine.tracker.link
-        return link.info.model if link is not None and link.connected else None
+        return self.engine.speculator.drafter_model
 
     @property
     def dtype(self) -> str:

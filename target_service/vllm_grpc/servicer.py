@@ -121,24 +121,24 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else -1)
 
     async def GetServerInfo(self, request, context) -> vllm_engine_pb2.GetServerInfoResponse:
-        engine = self.serving.engine
+        engine, scheduler = self.serving.engine, self.serving.engine.scheduler
         return vllm_engine_pb2.GetServerInfoResponse(
-            active_requests=len(engine.running) + len(engine.waiting), is_paused=not engine.accepting,
+            active_requests=len(scheduler.running) + len(scheduler.waiting), is_paused=not engine.accepting,
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=1,
             max_num_seqs=self.serving.config.max_num_seqs,
             model_dtype=self.serving.dtype)
 
     async def GetLoads(self, request, context) -> vllm_engine_pb2.GetLoadsResponse:
-        engine, config = self.serving.engine, self.serving.config
+        scheduler, config = self.serving.engine.scheduler, self.serving.config
         if request.HasField("dp_rank") and request.dp_rank != 0:
             return vllm_engine_pb2.GetLoadsResponse(timestamp=_now(), version=VERSION, dp_rank_count=1)
         load = vllm_engine_pb2.SchedulerLoad(
-            dp_rank=0, num_running_reqs=len(engine.running), num_waiting_reqs=len(engine.waiting),
-            num_total_reqs=len(engine.running) + len(engine.waiting),
-            num_used_tokens=sum(len(seq.token_ids) for seq in engine.running),
-            max_total_num_tokens=config.max_num_seqs * config.max_model_len, token_usage=engine.kv_usage,
+            dp_rank=0, num_running_reqs=len(scheduler.running), num_waiting_reqs=len(scheduler.waiting),
+            num_total_reqs=len(scheduler.running) + len(scheduler.waiting),
+            num_used_tokens=sum(len(seq.token_ids) for seq in scheduler.running),
+            max_total_num_tokens=config.max_num_seqs * config.max_model_len, token_usage=scheduler.kv_usage,
             max_running_requests=config.max_num_seqs,
-            num_waiting_uncached_tokens=sum(len(seq.prompt_ids) for seq in engine.waiting))
+            num_waiting_uncached_tokens=sum(len(seq.prompt_ids) for seq in scheduler.waiting))
         return vllm_engine_pb2.GetLoadsResponse(timestamp=_now(), version=VERSION, dp_rank_count=1,
                                                 loads=[load])
 

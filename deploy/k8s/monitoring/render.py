@@ -1,6 +1,6 @@
 """Writes this folder's PrometheusRule and Grafana dashboard ConfigMap from the compose stack's
 sources (deploy/prometheus/alerts.yml, deploy/grafana/dashboards/tandem.json), so that both stacks
-alert and chart the same way. tests/test_k8s.py fails when the written files are stale.
+alert and chart the same way. tests/system/test_k8s.py fails when the written files are stale.
 
     python deploy/k8s/monitoring/render.py
 """

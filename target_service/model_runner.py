@@ -1,0 +1,262 @@
+"""The model work of one target step, run on the executor thread over snapshots of sequence state.
+
+Prefill: each new prompt is run and its first token sampled at position len(prompt).
+Verify: a sequence with committed tokens x[0..n-1] has KV for n-1 of them; it runs
+[x[n-1], d1..dk] at positions n-1..n-1+k, so k+1 rows of p, and emits accepted drafts plus one
+recovered or bonus token. With no drafts (k = 0) this is a plain decode step.
+
+Structured output: a constrained sequence's k + 1 logits rows are masked by its grammar (at its
+state, then after d1, d1 d2, ...) before p is built, so greedy picks, rejection sampling and the
+recovered and bonus tokens all use the target's constrained distribution. A draft the grammar
+forbids has p = 0 and is rejected. The masks are computed on their own thread during the forward.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kernels.bitmask import allowed_tokens, apply_forbidden, apply_token_bitmask
+from kernels.compression import CompressedProbs, concat, no_probs
+from kernels.gumbel import verify_invariant
+from kernels.rejection import rejection_sample
+from kernels.sampling import processed_probs, sample
+from target_service.drafts import UsableDrafts
+from target_service.metrics import TargetMetrics
+from target_service.sequence import SamplingOptions
+from tandem.model.batch import SequenceChunk
+from tandem.model.llama import LlamaModel
+from tandem.structured import TokenMasker
+from tandem.structured.grammar import Matcher
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillItem:
+    slot: int
+    prompt_ids: list[int]
+    options: SamplingOptions
+    grammar: Matcher | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyItem:
+    slot: int
+    length: int  # n, the committed length
+    last_token: int
+    drafts: UsableDrafts | None
+    options: SamplingOptions
+    grammar: Matcher | None = None
+
+    @property
+    def num_drafts(self) -> int:
+        return 0 if self.drafts is None else len(self.drafts.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    tokens: list[int]  # accepted drafts, then the recovered or bonus token
+    num_accepted: int
+    # With capture layers: the target's features at the chunk's positions, bf16 [rows, layers, hidden]
+    # (a prefill's prompt positions; a verify's n-1 .. n-1+k, of which the committed ones are sent).
+    features: torch.Tensor | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, metrics: TargetMetrics | None = None):
+        self.model = model
+        self.device = model.device
+        self.vocab_size = model.config.vocab_size
+        self.metrics = metrics
+        self.masker = TokenMasker(self.vocab_size)
+        self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-masks")
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One prefill, decode and verify before serving, so the first request pays no one-time costs."""
+        slot = self.model.kv_cache.allocate()
+        try:
+            self.model.run([SequenceChunk(slot=slot, start=0, token_ids=[0] * 32)])
+            self.model.run([SequenceChunk(slot=slot, start=32, token_ids=[0])])
+            self.model.run([SequenceChunk(slot=slot, start=33, token_ids=[0] * 5, num_logits=5)])
+        finally:
+            self.model.kv_cache.free(slot)
+
+    @torch.inference_mode()
+    def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = ()) -> list[Verified]:
+        """Each item's first token; capture: also the features of these target layers (Verified.features)."""
+        chunks = [SequenceChunk(slot=i.slot, start=0, token_ids=i.prompt_ids) for i in items]
+        masks = self._start_masks([(i.grammar, ()) for i in items])
+        logits, features = self._forward(chunks, capture)  # [B, vocab]
+        self._apply_masks(logits, masks)
+        tokens = [0] * len(items)
+        greedy = [b for b, i in enumerate(items) if i.options.greedy]
+        sampled = [b for b, i in enumerate(items) if not i.options.greedy]
+        for b, token in zip(greedy, self._greedy_tokens(logits, greedy, len(items))):
+            tokens[b] = token
+        if sampled:
+            options = [items[b].options for b in sampled]
+            probs = self._probs(logits[self._long(sampled)], options)
+            positions = self._long([len(items[b].prompt_ids) for b in sampled])
+            for b, token in zip(sampled, sample(probs, self._seeds(options), positions).tolist()):
+                tokens[b] = token
+        return [Verified([token], 0, rows) for token, rows in zip(tokens, features)]
+
+    @torch.inference_mode()
+    def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:
+        chunks = [
+            SequenceChunk(
+                slot=i.slot,
+                start=i.length - 1,
+                token_ids=[i.last_token, *(i.drafts.tokens if i.drafts else ())],
+                num_logits=i.num_drafts + 1,
+            )
+            for i in items
+        ]
+        masks = self._start_masks([(i.grammar, i.drafts.tokens if i.drafts else ()) for i in items])
+        logits, features = self._forward(chunks, capture)  # [sum(k_i + 1), vocab]
+        self._apply_masks(logits, masks)
+        results: list[Verified | None] = [None] * len(items)
+        greedy = [b for b, i in enumerate(items) if i.options.greedy]
+        rows = self._rows_of(items, greedy)
+        targets = iter(self._greedy_tokens(logits, rows, logits.shape[0]))
+        for b in greedy:
+            results[b] = verify_greedy(items[b].drafts.tokens if items[b].drafts else (),
+                                       [next(targets) for _ in range(items[b].num_drafts + 1)])
+        invariant = [b for b, i in enumerate(items) if not i.options.greedy and i.options.drafter_invariant]
+        standard = [b for b, i in enumerate(items) if not i.options.greedy and not i.options.drafter_invariant]
+        for group, verify in ((standard, self._rejection), (invariant, self._invariant)):
+            if group:
+                group_rows = self._long(self._rows_of(items, group))
+                probs = self._probs(logits[group_rows], [items[b].options for b in group for _ in
+                                                         range(items[b].num_drafts + 1)])
+                for b, verified in zip(group, verify([items[b] for b in group], probs)):
+                    results[b] = verified
+        if capture:
+            results = [Verified(r.tokens, r.num_accepted, rows) for r, rows in zip(results, features)]
+        return results
+
+    def _forward(self, chunks: list[SequenceChunk], capture: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Logits at the chunks' logits rows, and per chunk its features [len, layers, hidden] bf16
+        when capture names layers (else Nones)."""
+        batch = self.model.build_batch(chunks)
+        if not capture:
+            return self.model.forward(batch), [None] * len(chunks)
+        logits, features = self.model.forward_capturing(batch, capture)  # features [T, layers, hidden]
+        per_chunk = features.to(torch.bfloat16).split([len(c.token_ids) for c in chunks])
+        return logits, list(per_chunk)
+
+    def _start_masks(self, rows: list[tuple[Matcher | None, tuple[int, ...]]]) -> tuple[Future, list[int]] | None:
+        """Start computing the bitmasks of the constrained items, each (grammar, drafts) owning
+        len(drafts) + 1 logits rows; returns the pending masks and the logits rows they cover."""
+        jobs, covered, offset = [], [], 0
+        for grammar, drafts in rows:
+            if grammar is not None:
+                jobs.append((grammar, list(drafts)))
+                covered.extend(range(offset, offset + len(drafts) + 1))
+            offset += len(drafts) + 1
+        if not jobs:
+            return None
+        return self._mask_thread.submit(self._timed_fill, jobs), covered
+
+    def _timed_fill(self, jobs: list[tuple[Matcher, list[int]]]) -> torch.Tensor:
+        """The bitmask [R, W]; on CPU already unpacked to forbidden tokens [R, V], off the critical path."""
+        started = time.perf_counter()
+        masks = self.masker.fill(jobs)
+        if self.device.type == "cpu":
+            masks = ~allowed_tokens(masks, self.vocab_size)
+        if self.metrics is not None:
+            self.metrics.grammar_mask.observe(time.perf_counter() - started)
+        return masks
+
+    def _apply_masks(self, logits: torch.Tensor, masks: tuple[Future, list[int]] | None) -> None:
+        if masks is None:
+            return
+        pending, rows = masks
+        if self.device.type == "cpu":
+            apply_forbidden(logits, pending.result(), rows)
+        else:
+            apply_token_bitmask(logits, pending.result(), self._long(rows))
+
+    def _greedy_tokens(self, logits: torch.Tensor, rows: list[int], total: int) -> list[int]:
+        """argmax p of the given rows of logits: greedy rows skip building p altogether."""
+        if not rows:
+            return []
+        return self.model.greedy_tokens(logits if len(rows) == total else logits[self._long(rows)])
+
+    def _rejection(self, items: list[VerifyItem], probs: torch.Tensor) -> list[Verified]:
+        result = rejection_sample(
+            probs,
+            self._draft_tokens(items),
+            self._cu_num_drafts(items),
+            self._draft_probs(items),
+            torch.tensor([i.options.greedy for i in items], dtype=torch.bool, device=self.device),
+            self._seeds([i.options for i in items]),
+            self._long([i.length for i in items]),
+        )
+        return _unpack(result.tokens, result.num_accepted)
+
+    def _invariant(self, items: list[VerifyItem], probs: torch.Tensor) -> list[Verified]:
+        result = verify_invariant(
+            probs,
+            self._draft_tokens(items),
+            self._cu_num_drafts(items),
+            self._seeds([i.options for i in items]),
+            self._long([i.length for i in items]),
+        )
+        return _unpack(result.tokens, result.num_accepted)
+
+    def _probs(self, logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
+        """p [rows, vocab]: the target's processed distribution, one-hot for greedy rows."""
+        f32 = dict(dtype=torch.float32, device=self.device)
+        return processed_probs(
+            logits,
+            torch.tensor([o.temperature for o in options], **f32),
+            self._long([o.top_k for o in options]),
+            torch.tensor([o.top_p for o in options], **f32),
+            torch.tensor([o.min_p for o in options], **f32),
+        )
+
+    def _draft_tokens(self, items: list[VerifyItem]) -> torch.Tensor:
+        return self._long([t for i in items if i.drafts for t in i.drafts.tokens])
+
+    def _cu_num_drafts(self, items: list[VerifyItem]) -> torch.Tensor:
+        return torch.cumsum(self._long([i.num_drafts for i in items]), dim=0)
+
+    def _draft_probs(self, items: list[VerifyItem]) -> CompressedProbs:
+        """q' rows for every draft, [D, K]; drafts verified by ids alone get empty rows."""
+        parts = [i.drafts.probs if i.drafts.probs is not None else no_probs(i.num_drafts) for i in items if i.drafts]
+        merged = concat(parts)
+        return CompressedProbs(merged.ids.to(self.device), merged.fixed.to(self.device))
+
+    def _rows_of(self, items: list[VerifyItem], group: list[int]) -> list[int]:
+        """The logits rows of the items in group: k + 1 per item."""
+        starts, offset = [], 0
+        for item in items:
+            starts.append(offset)
+            offset += item.num_drafts + 1
+        return [r for b in group for r in range(starts[b], starts[b] + items[b].num_drafts + 1)]
+
+    def _seeds(self, options: list[SamplingOptions]) -> torch.Tensor:
+        return self._long([o.seed for o in options])
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def verify_greedy(drafts: tuple[int, ...], targets: list[int]) -> Verified:
+    """Greedy verification: accept drafts while each equals the target's argmax at its position,
+    then emit the argmax after the last accepted one (recovered or bonus token).
+    targets: argmax p at the k + 1 verified positions. Same rule as kernels.rejection's greedy rows."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return Verified(tokens=[*drafts[:accepted], targets[accepted]], num_accepted=accepted)
+
+
+def _unpack(tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[Verified]:
+    """One host sync for the whole batch."""
+    rows, counts = tokens.tolist(), num_accepted.tolist()
+    return [Verified(tokens=row[: n + 1], num_accepted=n) for row, n in zip(rows, counts)]

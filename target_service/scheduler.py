@@ -1,0 +1,110 @@
+"""The target's scheduler: the waiting queue, the running batch, admission and the KV slots.
+
+A sequence is WAITING from submit to admission, RUNNING while it holds a KV slot, and FINISHED
+once its slot is freed. A running sequence whose finish reason is set keeps its slot until the
+step that used it has published its tokens: `release_finished` then frees it.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+
+from target_service.errors import RequestError
+from target_service.metrics import TargetMetrics
+from target_service.sequence import Sequence, SequenceStatus
+from tandem.model.kv_cache import KVCache
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """One step's work: sequences to prefill (admitted now) and sequences to decode or verify."""
+
+    prefills: list[Sequence]
+    decodes: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_queue: int, metrics: TargetMetrics):
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.sequences: dict[int, Sequence] = {}  # every sequence not yet finished, by seq_id
+        metrics.watch_kv_usage(lambda: self.kv_usage)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of the KV cache in use: each running sequence holds one whole slot."""
+        return 1 - self.kv_cache.num_free_slots / self.kv_cache.num_slots
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; RESOURCE_EXHAUSTED when the queue is full beyond what the next step admits."""
+        if len(self.waiting) - self._free_capacity() >= self.max_queue:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.max_queue} requests are already waiting for a free slot "
+                f"(--max-queue {self.max_queue}); retry later",
+            )
+        self.sequences[seq.seq_id] = seq
+        self.waiting.append(seq)
+        self.metrics.waiting.set(len(self.waiting))
+
+    def can_admit(self) -> bool:
+        """A request waits, and a running slot and a KV slot are free for it."""
+        return bool(self.waiting) and self._free_capacity() > 0
+
+    def schedule(self) -> ScheduledBatch:
+        """Admit what fits; the sequences already running and live decode or verify."""
+        decodes = [s for s in self.running if s.finish is None]
+        return ScheduledBatch(prefills=self._admit(), decodes=decodes)
+
+    def dequeue(self, seq: Sequence) -> bool:
+        """Take a waiting sequence out of the queue (an abort); False when it is not waiting."""
+        if seq.status is not SequenceStatus.WAITING:
+            return False
+        self.waiting.remove(seq)
+        self.metrics.waiting.set(len(self.waiting))
+        self._forget(seq)
+        return True
+
+    def release_finished(self) -> list[Sequence]:
+        """Free the KV slots of the running sequences whose finish is set; returns them."""
+        finished = [s for s in self.running if s.finish is not None]
+        for seq in finished:
+            self.running.remove(seq)
+            self.kv_cache.free(seq.slot)
+            seq.slot = None
+            self._forget(seq)
+        self.metrics.running.set(len(self.running))
+        return finished
+
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        while self.can_admit():
+            seq = self.waiting.popleft()
+            seq.slot = self.kv_cache.allocate()
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted_at = time.perf_counter()
+            self.metrics.queue_time.observe(seq.admitted_at - seq.arrival)
+            self.running.append(seq)
+            admitted.append(seq)
+        self.metrics.waiting.set(len(self.waiting))
+        self.metrics.running.set(len(self.running))
+        return admitted
+
+    def _free_capacity(self) -> int:
+        """Requests the next step can admit: waiting for it is not queueing."""
+        return min(self.max_num_seqs - len(self.running), self.kv_cache.num_free_slots)
+
+    def _forget(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.sequences.pop(seq.seq_id, None)

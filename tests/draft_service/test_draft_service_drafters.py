@@ -1,0 +1,223 @@
+"""The two drafters in-process (the model one on a tiny random model): drafts equal the reference loops."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draft_service.drafter import DraftJob, DraftSequence, Sampling
+from draft_service.metrics import DraftMetrics
+from draft_service.drafters.model import ModelDrafter
+from draft_service.drafters.ngram import NgramDrafter, lookup
+from draft_service.server import model_vocab_size
+from kernels.compression import ONE, encode, sample_compressed, unpack
+from kernels.sampling import processed_probs, sample
+from tandem.generate import greedy_generate
+from tandem.model.batch import SequenceChunk
+from tandem.runtime import load_tokenizer
+from tests.support.tiny_drafter import MAX_LEN, VOCAB, tiny_draft_model
+
+TOP_K = 8
+
+
+@pytest.fixture
+def drafter():
+    return ModelDrafter(tiny_draft_model(), TOP_K, DraftMetrics("tiny"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tiny_draft_model()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _open(drafter, seq_id: int, prompt: list[int], k: int = 4, sampling: Sampling = Sampling()) -> DraftSequence:
+    sequence = DraftSequence((1, seq_id), list(prompt), sampling, k)
+    drafter.open(sequence.key)
+    return sequence
+
+
+def _draft_one(drafter, sequence: DraftSequence):
+    [draft] = drafter.draft([DraftJob(sequence, list(sequence.tokens))])
+    assert draft.key == sequence.key and draft.base_len == len(sequence.tokens)
+    return draft
+
+
+def _reused(drafter) -> float:
+    return drafter.metrics.registry.get_sample_value("tandem_draft_reused_tokens_total",
+                                                     {"model": "tiny", "service": "draft"})
+
+
+def test_greedy_drafts_follow_extends_and_rollbacks(drafter, reference):
+    prompt = _prompt(12, 0)
+    sequence = _open(drafter, 1, prompt)
+    greedy = greedy_generate(reference, prompt, 8)
+    assert _draft_one(drafter, sequence).token_ids == greedy[:4]
+
+    sequence.tokens += greedy[:2]  # two drafts committed: their KV is reused ...
+    assert _draft_one(drafter, sequence).token_ids == greedy[2:6]
+    assert _reused(drafter) == 1  # ... but the last committed token is fed again for its logits
+
+    sequence.tokens += greedy[2:7]  # all 4 drafts accepted plus the bonus token, as a target commits
+    assert _draft_one(drafter, sequence).token_ids == greedy_generate(reference, prompt + greedy[:7], 4)
+    assert _reused(drafter) == 1 + 3  # d1..d3: the slot never holds the last draft
+
+    other = (greedy[0] + 1) % VOCAB  # roll back to the prompt, then a token the drafts did not guess
+    sequence.tokens[len(prompt):] = [other]
+    assert _draft_one(drafter, sequence).token_ids == greedy_generate(reference, prompt + [other], 4)
+
+    del sequence.tokens[5:]  # a pure rollback into the prompt
+    assert _draft_one(drafter, sequence).token_ids == greedy_generate(reference, prompt[:5], 4)
+
+    sequence.tokens[3:] = _prompt(15, 9)  # a rollback, then more new tokens than were there
+    assert _draft_one(drafter, sequence).token_ids == greedy_generate(reference, sequence.tokens, 4)
+
+
+def test_batched_sequences_equal_each_alone(drafter, reference):
+    prompts = [_prompt(n, seed) for n, seed in ((5, 1), (17, 2), (9, 3))]
+    sequences = [_open(drafter, i, p, k) for i, (p, k) in enumerate(zip(prompts, (4, 2, 6)))]
+    drafts = drafter.draft([DraftJob(s, list(s.tokens)) for s in sequences])
+    for draft, sequence, prompt in zip(drafts, sequences, prompts):
+        assert draft.key == sequence.key
+        assert draft.token_ids == greedy_generate(reference, prompt, sequence.k)
+        assert draft.probs == b""
+
+
+def test_drafts_stop_at_max_model_len(drafter, reference):
+    prompt = _prompt(MAX_LEN - 1, 4)
+    sequence = _open(drafter, 1, prompt, k=6)
+    assert _draft_one(drafter, sequence).token_ids == greedy_generate(reference, prompt, 2)
+    sequence.tokens += [1, 2]
+    assert drafter.draft([DraftJob(sequence, list(sequence.tokens))]) == []
+
+
+def test_closed_sequences_are_not_drafted(drafter):
+    sequence = _open(drafter, 1, _prompt(6, 5))
+    sequence.closed = True
+    assert drafter.draft([DraftJob(sequence, list(sequence.tokens))]) == []
+
+
+def test_close_frees_the_slot(drafter):
+    free = drafter.model.kv_cache.num_free_slots
+    sequence = _open(drafter, 1, _prompt(6, 5))
+    assert drafter.model.kv_cache.num_free_slots == free - 1
+    drafter.close(sequence.key)
+    assert drafter.model.kv_cache.num_free_slots == free
+
+
+def _logits_along(model, prompt: list[int], drafts: list[int]) -> torch.Tensor:
+    """The drafter's own computation path for one sequence: prefill, then one draft token at a time."""
+    rows = [model.run([SequenceChunk(slot=0, start=0, token_ids=prompt)])]
+    for i, token in enumerate(drafts[:-1]):
+        rows.append(model.run([SequenceChunk(slot=0, start=len(prompt) + i, token_ids=[token])]))
+    return torch.cat(rows)  # [k, V]
+
+
+SAMPLED = Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=1234)
+
+
+def test_rejection_mode_draws_from_the_q_prime_it_sends(drafter, reference):
+    prompt = _prompt(10, 6)
+    draft = _draft_one(drafter, _open(drafter, 1, prompt, k=5, sampling=SAMPLED))
+    assert draft.probs_top_k == TOP_K
+    sent = unpack(draft.probs, 5, TOP_K, VOCAB)
+    logits = _logits_along(reference, prompt, draft.token_ids)
+    params = (torch.full((5,), SAMPLED.temperature), torch.full((5,), SAMPLED.top_k),
+              torch.full((5,), SAMPLED.top_p), torch.zeros(5))
+    expected = encode(processed_probs(logits, *params), TOP_K)
+    assert torch.equal(sent.ids, expected.ids) and torch.equal(sent.fixed, expected.fixed)
+    positions = torch.arange(len(prompt), len(prompt) + 5)
+    assert sample_compressed(sent, torch.full((5,), SAMPLED.seed), positions).tolist() == draft.token_ids
+
+
+def test_invariant_mode_draws_with_the_targets_noise(drafter, reference):
+    sampling = Sampling(temperature=1.0, seed=99, invariant=True)
+    prompt = _prompt(10, 7)
+    draft = _draft_one(drafter, _open(drafter, 1, prompt, k=4, sampling=sampling))
+    assert draft.probs == b"" and draft.probs_top_k == 0
+    logits = _logits_along(reference, prompt, draft.token_ids)
+    q = processed_probs(logits, torch.ones(4), torch.zeros(4, dtype=torch.int64), torch.ones(4), torch.zeros(4))
+    positions = torch.arange(len(prompt), len(prompt) + 4)
+    assert sample(q, torch.full((4,), 99), positions).tolist() == draft.token_ids
+
+
+def test_mixed_modes_in_one_batch(drafter):
+    """Greedy, rejection and invariant rows drafted together each match their own mode alone."""
+    prompt = _prompt(8, 8)
+    modes = [Sampling(), SAMPLED, Sampling(temperature=1.0, seed=5, invariant=True)]
+    sequences = [_open(drafter, i, prompt, sampling=mode) for i, mode in enumerate(modes)]
+    together = drafter.draft([DraftJob(s, list(prompt)) for s in sequences])
+    for i, mode in enumerate(modes):
+        alone = ModelDrafter(tiny_draft_model(), TOP_K, DraftMetrics("tiny"))
+        assert _draft_one(alone, _open(alone, i, prompt, sampling=mode)).token_ids == together[i].token_ids
+
+
+def test_a_reduced_head_drafts_only_its_vocabulary_in_every_mode():
+    """q' is zero outside the draft vocabulary: drafts and sent probabilities stay inside it."""
+    head_ids = torch.arange(3, VOCAB, 2)  # [N] target ids of the head rows
+    drafter = ModelDrafter(tiny_draft_model(head_ids), TOP_K, DraftMetrics("tiny"), head_ids)
+    full = tiny_draft_model()
+    prompt = _prompt(9, 10)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[head_ids] = False
+
+    greedy = _draft_one(drafter, _open(drafter, 1, prompt, k=4))
+    expected = []
+    for _ in range(4):  # the full model's greedy choice among the head's ids, fed back one at a time
+        logits = full.run([SequenceChunk(slot=0, start=0, token_ids=prompt + expected)])[-1]
+        expected.append(int(logits.masked_fill(outside, float("-inf")).argmax()))
+    assert greedy.token_ids == expected
+
+    sampled = _draft_one(drafter, _open(drafter, 2, prompt, k=4, sampling=SAMPLED))
+    sent = unpack(sampled.probs, 4, TOP_K, VOCAB)
+    assert set(sampled.token_ids) <= set(head_ids.tolist())
+    assert not bool(outside[sent.ids.long()][sent.fixed.int() > 0].any())
+    positions = torch.arange(len(prompt), len(prompt) + 4)
+    assert sample_compressed(sent, torch.full((4,), SAMPLED.seed), positions).tolist() == sampled.token_ids
+
+    sampling = Sampling(temperature=1.0, seed=99, invariant=True)
+    invariant = _draft_one(drafter, _open(drafter, 3, prompt, k=4, sampling=sampling))
+    assert set(invariant.token_ids) <= set(head_ids.tolist())
+
+
+@pytest.mark.parametrize("tokens, k, min_n, expected", [
+    ([10, 11, 12, 13, 14, 15, 30, 10, 11, 12], 3, 1, [13, 14, 15]),  # the trailing 3-gram occurred at 0
+    ([5, 6, 1, 5, 6, 2, 5, 6], 4, 1, [2, 5, 6]),  # the most recent occurrence; fewer than k follow it
+    ([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2, 1, [9, 2]),  # the longest n-gram wins over a more recent shorter one
+    ([1, 2, 3, 4], 4, 1, []),  # nothing repeats
+    ([4, 8, 5, 8], 4, 1, [5, 8]),  # a 1-gram
+    ([4, 8, 5, 8], 4, 2, []),  # ... unless min_n forbids it
+    ([7], 4, 1, []),
+])
+def test_ngram_lookup(tokens, k, min_n, expected):
+    assert lookup(tokens, k, min_n, 4) == expected
+
+
+def test_ngram_drafter_sends_a_point_mass_only_when_sampling():
+    drafter = NgramDrafter(1, 4)
+    tokens = [10, 11, 12, 13, 14, 30, 10, 11]
+    greedy = DraftSequence((1, 1), tokens, Sampling(), 3)
+    sampled = DraftSequence((1, 2), tokens, SAMPLED, 3)
+    nothing = DraftSequence((1, 3), [1, 2, 3], SAMPLED, 3)
+    drafts = drafter.draft([DraftJob(s, list(s.tokens)) for s in (greedy, sampled, nothing)])
+    assert [d.key for d in drafts] == [greedy.key, sampled.key, nothing.key]
+    assert drafts[0].token_ids == drafts[1].token_ids == [12, 13, 14]
+    assert drafts[2].token_ids == [] and drafts[2].probs == b"", "a miss is answered with an empty proposal"
+    assert drafts[0].probs == b""
+    q_prime = unpack(drafts[1].probs, 3, 1, VOCAB)
+    assert drafts[1].probs_top_k == 1
+    assert q_prime.ids[:, 0].tolist() == [12, 13, 14] and q_prime.fixed[:, 0].tolist() == [ONE] * 3
+
+
+def test_the_ngram_drafter_reports_the_models_logits_width(tmp_path, smollm2_path):
+    """What a target compares with its own config.vocab_size: config.json's, padding included."""
+    tokenizer = load_tokenizer(smollm2_path)
+    config = {"model_type": "llama", "vocab_size": 49408, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_vocab_size(tmp_path, tokenizer) == 49408
+    assert model_vocab_size(smollm2_path, tokenizer) == tokenizer.vocab_size == 49152

@@ -1,0 +1,111 @@
+"""The drafting loop in-process, with the n-gram drafter: coalescing, closes."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from draft_service.metrics import DraftMetrics
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.scheduler import DraftScheduler, Limits
+from tandem.v1 import drafter_pb2 as pb
+
+LIMITS = Limits(vocab_size=100, max_model_len=64, max_k=4, num_slots=2)
+PROMPT = [1, 2, 3, 4, 1, 2]
+
+
+@pytest.fixture
+async def scheduler():
+    scheduler = DraftScheduler(NgramDrafter(1, 4), DraftMetrics("test"), LIMITS)
+    scheduler.start()
+    yield scheduler
+    await scheduler.stop()
+
+
+def _update(opens=(), extends=(), closes=()) -> pb.TargetUpdate:
+    return pb.TargetUpdate(opens=[pb.SequenceOpen(seq_id=i, prompt_ids=p, k=4) for i, p in opens],
+                           extends=[pb.SequenceExtend(seq_id=i, start=s, token_ids=t) for i, s, t in extends],
+                           closes=[pb.SequenceClose(seq_id=i) for i in closes])
+
+
+async def test_updates_before_a_round_coalesce_into_the_newest_prefix(scheduler):
+    stream = scheduler.open_stream()
+    scheduler.apply(stream, _update(opens=[(1, PROMPT)]))
+    scheduler.apply(stream, _update(extends=[(1, 6, [3])]))
+    message = await asyncio.wait_for(stream.outbox.get(), 10)
+    [proposal] = message.proposals
+    assert (proposal.seq_id, proposal.base_len, list(proposal.token_ids)) == (1, 7, [4, 1, 2, 3])
+    assert stream.outbox.empty()
+
+
+async def test_a_sequence_closed_before_its_round_gets_no_proposal(scheduler):
+    stream = scheduler.open_stream()
+    scheduler.apply(stream, _update(opens=[(1, PROMPT), (2, PROMPT)], closes=[1]))
+    [proposal] = (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
+    assert proposal.seq_id == 2
+    scheduler.apply(stream, _update(opens=[(3, PROMPT)]))  # sequence 1's slot is free again
+    assert [p.seq_id for p in (await asyncio.wait_for(stream.outbox.get(), 10)).proposals] == [3]
+
+
+async def test_closing_a_stream_frees_its_sequences(scheduler):
+    first, second = scheduler.open_stream(), scheduler.open_stream()
+    scheduler.apply(first, _update(opens=[(1, PROMPT), (2, PROMPT)]))
+    scheduler.close_stream(first)
+    scheduler.apply(second, _update(opens=[(1, PROMPT), (2, PROMPT)]))  # both slots are free again
+    proposals = (await asyncio.wait_for(second.outbox.get(), 10)).proposals
+    assert sorted(p.seq_id for p in proposals) == [1, 2]
+    assert first.outbox.empty()
+
+
+class FailingDrafter(NgramDrafter):
+    """Every round fails, as a bug or an input the kernels refuse would make it."""
+
+    def draft(self, jobs):
+        raise RuntimeError("this round fails")
+
+
+async def test_a_failed_round_answers_each_of_its_sequences_with_nothing():
+    metrics = DraftMetrics("test")
+    scheduler = DraftScheduler(FailingDrafter(1, 4), metrics, LIMITS)
+    scheduler.start()
+    try:
+        stream = scheduler.open_stream()
+        scheduler.apply(stream, _update(opens=[(1, PROMPT), (2, PROMPT + [3])]))
+        message = await asyncio.wait_for(stream.outbox.get(), 10)
+        assert sorted((p.seq_id, p.base_len, list(p.token_ids)) for p in message.proposals) == [
+            (1, 6, []), (2, 7, [])]
+        labels = {"model": "test", "service": "draft"}
+        assert metrics.registry.get_sample_value("tandem_draft_errors_total", labels) == 1
+    finally:
+        await scheduler.stop()
+
+
+async def test_one_target_may_hold_no_more_than_its_quota():
+    limits = Limits(vocab_size=100, max_model_len=64, max_k=4, num_slots=3, max_seqs_per_target=2)
+    metrics = DraftMetrics("test")
+    scheduler = DraftScheduler(NgramDrafter(1, 4), metrics, limits)
+    scheduler.start()
+    try:
+        greedy, other = scheduler.open_stream(), scheduler.open_stream()
+        scheduler.apply(greedy, _update(opens=[(1, PROMPT), (2, PROMPT), (3, PROMPT)]))
+        scheduler.apply(other, _update(opens=[(1, PROMPT)]))  # the slot the quota kept free
+        assert metrics.registry.get_sample_value(
+            "tandem_draft_invalid_updates_total", {"model": "test", "service": "draft", "reason": "target_quota"}) == 1
+        assert sorted(greedy.sequences) == [1, 2] and sorted(other.sequences) == [1]
+        scheduler.apply(greedy, _update(closes=[1]))
+        scheduler.apply(greedy, _update(opens=[(4, PROMPT)]))  # room again under its quota
+        assert sorted(greedy.sequences) == [2, 4]
+    finally:
+        await scheduler.stop()
+
+
+async def test_a_refused_open_and_its_extends_are_answered_at_once(scheduler):
+    stream = scheduler.open_stream()
+    scheduler.apply(stream, _update(opens=[(1, PROMPT), (2, PROMPT), (3, PROMPT)]))  # two slots
+    scheduler.apply(stream, _update(extends=[(3, 6, [3, 4])]))
+    for base_len in (6, 8):  # before the round's 0.3 s delay is over
+        [refused] = (await asyncio.wait_for(stream.outbox.get(), 0.2)).proposals
+        assert (refused.seq_id, refused.base_len, list(refused.token_ids)) == (3, base_len, [])
+    drafted = (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
+    assert sorted(p.seq_id for p in drafted) == [1, 2]

@@ -1,0 +1,268 @@
+"""The pair as real processes on loopback: greedy identity, TTFT under a slow drafter, drafter faults."""
+from __future__ import annotations
+
+import signal
+import statistics
+import time
+
+import pytest
+
+from tests.support.service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape, service_process
+from tandem.launch import ServiceProcess
+
+MAX_TOKENS = 24
+
+
+def _pair(tmp_path_factory, name: str, draft_args: list[str], target_args: list[str] = ()):
+    logs = tmp_path_factory.mktemp(name)
+    draft = service_process("draft_service", ["--threads", "1", "--max-model-len", "512", *draft_args],
+                           log_path=logs / "draft.log").start()
+    target = service_process("target_service", ["--threads", "1", "--max-model-len", "512", "--drafter",
+                                               draft.address, *target_args], log_path=logs / "target.log").start()
+    draft.wait_healthy()
+    target.wait_healthy()
+    _wait_connected(target)
+    return draft, target
+
+
+def _wait_connected(target: ServiceProcess, connected: bool = True, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(scrape(target.metrics_url), "tandem_drafter_connected") == float(connected):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"tandem_drafter_connected did not become {int(connected)}")
+
+
+def _restart_drafter(draft: ServiceProcess, target: ServiceProcess) -> ServiceProcess:
+    """Kills the drafter, waits for the target to see it gone, starts it again and waits for the
+    target to reconnect: what the target's running sequences see of a drafter's crash and restart."""
+    draft.kill()
+    _wait_connected(target, connected=False)
+    draft = draft.restarted().wait_healthy()
+    _wait_connected(target, connected=True)
+    return draft
+
+
+def _pair_fixture(drafter: str, target_args: list[str] = (), draft_args: list[str] = ()):
+    """A module-scoped pair with the given drafter, killed after the module."""
+
+    @pytest.fixture(scope="module")
+    def pair(tmp_path_factory):
+        draft, target = _pair(tmp_path_factory, drafter, ["--drafter", drafter, *draft_args], target_args)
+        yield draft, target
+        target.kill()
+        draft.kill()
+
+    return pair
+
+
+# TWO_THREADS: pairs whose services never compete for the 2 cores take both, and run twice as fast.
+# A synchronous pair takes turns (the target waits for its drafts, the drafter for the next update);
+# a lookup drafter's work takes microseconds, so its target may have both cores.
+TWO_THREADS = ["--threads", "2"]  # after _pair's "--threads 1": the last flag given wins
+ngram_pair = _pair_fixture("ngram", TWO_THREADS)
+# Whether an async step finds the model drafter's drafts in time depends on the machine's load, and
+# the draft budget may verify none of them; synchronous speculation verifies every draft, so that
+# this test always checks verification with the distilled drafter's real drafts.
+model_pair = _pair_fixture("model", ["--sync-speculation", *TWO_THREADS], TWO_THREADS)
+
+
+def _greedy_identity(target: ServiceProcess) -> None:
+    before = scrape(target.metrics_url)
+    alone = run_requests(target.address, [greedy_request(p, MAX_TOKENS, speculate=False) for p in PROMPTS])
+    speculative = run_requests(target.address, [greedy_request(p, MAX_TOKENS) for p in PROMPTS])
+    for prompt, a, s in zip(PROMPTS, alone, speculative):
+        assert s.token_ids == a.token_ids, prompt
+        assert s.text == a.text
+        assert a.draft_tokens == 0
+    after = scrape(target.metrics_url)
+    accepted = metric(after, "tandem_spec_decode_num_accepted_tokens_total") - metric(
+        before, "tandem_spec_decode_num_accepted_tokens_total")
+    assert accepted > 0, "no draft was ever accepted: speculation did not run"
+    assert accepted == sum(s.accepted_tokens for s in speculative)
+
+
+def test_greedy_with_ngram_drafter_is_token_identical(ngram_pair):
+    _greedy_identity(ngram_pair[1])
+
+
+def test_greedy_with_model_drafter_is_token_identical(model_pair):
+    _greedy_identity(model_pair[1])
+
+
+def test_a_target_that_keeps_no_predrafts_is_sent_none(model_pair):
+    """The synchronous baseline opens its sequences without accepts_assumed: the drafter drafts
+    only for the committed prefixes it is told, as before the speculation cache."""
+    draft, target = model_pair
+    run_requests(target.address, [greedy_request(p, MAX_TOKENS) for p in PROMPTS[:2]])
+    drafter_samples, target_samples = scrape(draft.metrics_url), scrape(target.metrics_url)
+    assert any(s.name == "tandem_draft_predraft_proposals_total" for s in drafter_samples)
+    assert metric(drafter_samples, "tandem_draft_proposals_total") > 0
+    assert metric(drafter_samples, "tandem_draft_predraft_proposals_total") == 0
+    assert metric(target_samples, "tandem_draft_rejected_proposals_total", reason="base_len") == 0
+
+
+suffix_pair = _pair_fixture("suffix", TWO_THREADS)
+suffix_model_pair = _pair_fixture("suffix+model", ["--sync-speculation", *TWO_THREADS], TWO_THREADS)
+
+
+def test_greedy_with_suffix_drafter_is_token_identical(suffix_pair):
+    _greedy_identity(suffix_pair[1])
+
+
+def test_suffix_in_front_of_the_model_is_lossless_and_its_point_masses_are_verified(suffix_model_pair):
+    """Its suffix drafts carry one-entry q' rows under the model's announced K: the target takes them."""
+    draft, target = suffix_model_pair
+    _greedy_identity(target)
+    before = scrape(target.metrics_url)
+    sampled = [greedy_request(p, MAX_TOKENS) for p in PROMPTS]
+    for seed, request in enumerate(sampled):
+        request.sampling_params.temperature, request.sampling_params.seed = 0.8, seed
+    results = run_requests(target.address, sampled)
+    after = scrape(target.metrics_url)
+    assert all(r.token_ids for r in results)
+    assert metric(scrape(draft.metrics_url), "tandem_draft_suffix_proposals_total") > 0
+    assert metric(after, "tandem_draft_rejected_proposals_total", reason="probs") \
+        == metric(before, "tandem_draft_rejected_proposals_total", reason="probs")
+    assert sum(r.draft_tokens for r in results) > 0 and sum(r.accepted_tokens for r in results) > 0
+
+
+# The asynchronous default: sequences opened for pre-drafts, the target caching them. Two things
+# must hold for a step to find a pre-draft, whatever the machine: the drafter needs scratch slots
+# beside the 8 sequences' own (one per outcome), and its fresh and pre-draft rounds must end
+# within the target's step. On a slow CPU the distilled drafter's rounds outlast SmolLM2's 15 ms
+# step, and the policy rightly stops waiting for drafts; a step of at least 150 ms stands in for
+# the larger target that speculation is for.
+cached_pair = _pair_fixture("model", ["--dtype", "bfloat16", "--min-step-ms", "150"], ["--num-slots", "64"])
+
+
+def test_greedy_with_cached_pre_drafts_is_token_identical(cached_pair):
+    draft, target = cached_pair
+    before = scrape(target.metrics_url)
+    _greedy_identity(target)
+    after_target, after_draft = scrape(target.metrics_url), scrape(draft.metrics_url)
+    hits = (metric(after_target, "tandem_draft_cache_hits_total")
+            - metric(before, "tandem_draft_cache_hits_total"))
+    assert metric(after_draft, "tandem_draft_predraft_proposals_total") > 0
+    assert hits > 0, "no step verified a pre-draft: the cache was not exercised"
+
+
+def test_ttft_does_not_wait_for_a_slow_drafter(tmp_path_factory):
+    draft, target = _pair(tmp_path_factory, "slow", ["--drafter", "ngram", "--delay-ms", "500"])
+    try:
+        ttft = {True: [], False: []}
+        outputs = {True: [], False: []}
+        for _ in range(3):
+            for speculate in (False, True):
+                [result] = run_requests(target.address, [greedy_request(PROMPTS[4], 12, speculate=speculate)])
+                ttft[speculate].append(result.ttft)
+                outputs[speculate].append(result.token_ids)
+        assert outputs[True] == outputs[False]
+        # The drafter answers 500 ms late; the first token must not wait for it.
+        assert statistics.median(ttft[True]) < statistics.median(ttft[False]) * 1.5 + 0.05
+    finally:
+        target.kill()
+        draft.kill()
+
+
+def test_drafter_killed_and_restarted(tmp_path_factory):
+    # The step floor makes drafts pay here too (see the hung-drafter test): speculation must be seen to resume.
+    draft, target = _pair(tmp_path_factory, "faults", ["--drafter", "ngram"],
+                          ["--max-num-seqs", "4", "--min-step-ms", "50"])
+    try:
+        [reference] = run_requests(target.address, [greedy_request(PROMPTS[4], 48, speculate=False)])
+        import threading
+
+        results = []
+        worker = threading.Thread(target=lambda: results.extend(
+            run_requests(target.address, [greedy_request(PROMPTS[4], 48, ignore_eos=True)] * 4)))
+        worker.start()
+        time.sleep(1.0)
+        draft.kill()
+        worker.join(300)
+        assert len(results) == 4
+        expected = reference.token_ids
+        for result in results:
+            assert result.token_ids[: len(expected)] == expected
+        _wait_connected(target, connected=False)
+
+        before = metric(scrape(target.metrics_url), "tandem_spec_decode_num_accepted_tokens_total")
+        draft = draft.restarted().wait_healthy()
+        _wait_connected(target, connected=True)
+        [again] = run_requests(target.address, [greedy_request(PROMPTS[4], 48)])
+        assert again.token_ids == expected
+        after = metric(scrape(target.metrics_url), "tandem_spec_decode_num_accepted_tokens_total")
+        assert after > before, "speculation did not resume after the drafter came back"
+    finally:
+        target.kill()
+        draft.kill()
+
+
+def test_a_hung_drafter_makes_no_step_wait_and_speculation_resumes_when_it_answers(tmp_path_factory):
+    """SIGSTOP: the drafter stays connected but answers nothing. Steps must soon stop waiting for it.
+
+    The target's 50 ms step floor stands in for a target whose steps make drafts pay: on a CPU
+    where a verify costs several decode steps the policy would pause the drafter, and a 48-token
+    request might then hold no exploring step (one in 64) to show that speculation resumed."""
+    draft, target = _pair(tmp_path_factory, "hung", ["--drafter", "ngram"],
+                          ["--draft-wait-ms", "50", "--min-step-ms", "50"])
+    request = greedy_request(PROMPTS[4], 48, ignore_eos=True)
+    try:
+        [alone] = run_requests(target.address, [greedy_request(PROMPTS[4], 48, ignore_eos=True, speculate=False)])
+        [warm] = run_requests(target.address, [request])
+        assert warm.token_ids == alone.token_ids and warm.draft_tokens > 0
+        before = scrape(target.metrics_url)
+        draft.process.send_signal(signal.SIGSTOP)
+        try:
+            [hung] = run_requests(target.address, [request])
+            after = scrape(target.metrics_url)
+        finally:
+            draft.process.send_signal(signal.SIGCONT)
+        assert hung.token_ids == alone.token_ids
+
+        def delta(name: str, **labels: str) -> float:
+            return metric(after, name, **labels) - metric(before, name, **labels)
+
+        steps = delta("tandem_step_duration_seconds_count", kind="decode") + delta(
+            "tandem_step_duration_seconds_count", kind="verify")
+        # Without an answer for longer than a few draft round trips (at least the wait bound),
+        # steps stop waiting: a handful of steps wait, and for well under the 0.2 s that allows.
+        assert delta("tandem_draft_wait_seconds_count") <= steps / 4, "most steps waited for a silent drafter"
+        assert delta("tandem_draft_wait_seconds_sum") < 0.5
+
+        _wait_connected(target)
+        [resumed] = run_requests(target.address, [request])
+        assert resumed.token_ids == alone.token_ids
+        assert resumed.draft_tokens > 0, "speculation did not resume once the drafter answered again"
+    finally:
+        target.kill()
+        draft.kill()
+
+
+def test_cancel_frees_the_sequence_on_both_services(model_pair):
+    import asyncio
+
+    import grpc
+
+    from tandem.v1 import generation_pb2_grpc
+
+    draft, target = model_pair
+
+    async def cancel_midway():
+        async with grpc.aio.insecure_channel(target.address) as channel:
+            call = generation_pb2_grpc.GenerationStub(channel).Generate(
+                greedy_request(PROMPTS[1], 200, ignore_eos=True))
+            async for _ in call:
+                break
+            call.cancel()
+
+    asyncio.run(cancel_midway())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        running = metric(scrape(target.metrics_url), "tandem_num_requests_running")
+        drafting = metric(scrape(draft.metrics_url), "tandem_draft_sequences")
+        if running == 0 and drafting == 0:
+            break
+        time.sleep(0.2)
+    assert running == 0 and drafting == 0

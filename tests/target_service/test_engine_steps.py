@@ -1,0 +1,541 @@
+"""The target's Engine in-process, step by step: a scripted runner instead of a model, a fake link
+instead of a drafter. Proposals go in through the speculator, as the link would deliver them; what
+comes out is what the runner was asked to verify, what the drafter was told, and the metrics."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from kernels.compression import encode, pack
+from target_service.config import TargetConfig
+from target_service.engine import Engine
+from target_service.metrics import TargetMetrics
+from target_service.scheduler import Scheduler
+from target_service.speculation import speculation_policy
+from target_service.speculator import Speculator
+from target_service.sequence import FinishReason, Output, SamplingOptions, Sequence
+from target_service.model_runner import PrefillItem, Verified, VerifyItem
+from tandem.v1 import drafter_pb2
+
+PROMPT = (1, 2, 3)
+OTHER_PROMPT = (4, 5, 6, 7)
+# The target's greedy continuation of each prompt: T[i] is the token at position len(prompt) + i.
+T = (10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25)
+CONTINUATIONS = {PROMPT: T, OTHER_PROMPT: tuple(t + 100 for t in T)}
+N = len(PROMPT) + 1  # committed after the prefill: the prompt and T[0]
+MAX_K = 4
+VOCAB = 1000
+WRONG = 99  # a token the target never emits
+
+
+class FakeTokenizer:
+    eos_token_ids = frozenset({0})
+    special_token_ids = frozenset()
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+class FakeCache:
+    def __init__(self, num_slots: int, max_len: int):
+        self.max_len = max_len
+        self.num_slots = num_slots
+        self._free = list(range(num_slots))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        return self._free.pop(0)
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+class ScriptedRunner:
+    """A greedy target without a model: each prompt's continuation is scripted in CONTINUATIONS.
+
+    Verification accepts drafts while they equal the continuation, then adds its next token.
+    """
+
+    def __init__(self, events: list):
+        self.events = events
+        self.verified: list[list[VerifyItem]] = []  # the items of every verify call
+        self.prompts: dict[int, tuple[int, ...]] = {}  # slot -> the prompt last prefilled into it
+
+    def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = ()) -> list[Verified]:
+        self.events.append("prefill")
+        self.prompts.update((item.slot, tuple(item.prompt_ids)) for item in items)
+        return [Verified([CONTINUATIONS[tuple(item.prompt_ids)][0]], 0) for item in items]
+
+    def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:
+        self.verified.append(items)
+        return [self._verify(item) for item in items]
+
+    def _verify(self, item: VerifyItem) -> Verified:
+        prompt = self.prompts[item.slot]
+        ahead = CONTINUATIONS[prompt][item.length - len(prompt):]
+        drafts = item.drafts.tokens if item.drafts else ()
+        accepted = next((j for j, (d, t) in enumerate(zip(drafts, ahead)) if d != t), len(drafts))
+        return Verified(tokens=list(ahead[: accepted + 1]), num_accepted=accepted)
+
+
+@dataclass
+class FakeLink:
+    """Records the updates the target sends; proposals are injected through the speculator."""
+
+    events: list
+    max_k: int = MAX_K
+    probs_top_k: int = 4
+    connected: bool = True
+    feature_layout: None = None  # a drafter that reads no target features
+    info: None = None
+    updates: list[drafter_pb2.TargetUpdate] = field(default_factory=list)
+
+    def send(self, update: drafter_pb2.TargetUpdate) -> None:
+        self.events.append("update")
+        self.updates.append(update)
+
+    def told(self, seq: Sequence) -> list[tuple]:
+        """What this sequence's updates said, in order: ("open", tokens, k), ("extend", start, tokens), ("close",)."""
+        said = []
+        for update in self.updates:
+            said += [("open", list(o.prompt_ids), o.k) for o in update.opens if o.seq_id == seq.seq_id]
+            said += [("extend", e.start, list(e.token_ids)) for e in update.extends if e.seq_id == seq.seq_id]
+            said += [("close",) for c in update.closes if c.seq_id == seq.seq_id]
+        return said
+
+
+@dataclass
+class Harness:
+    engine: Engine
+    runner: ScriptedRunner
+    link: FakeLink
+    events: list
+
+    def submit(self, prompt: tuple[int, ...] = PROMPT, **overrides) -> Sequence:
+        options = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=1, max_tokens=12, stop=(),
+                       stop_token_ids=frozenset(), ignore_eos=False, skip_special_tokens=True, speculate=True,
+                       num_speculative_tokens=MAX_K, drafter_invariant=False)
+        options.update(overrides)
+        seq = self.engine.new_sequence("", list(prompt), SamplingOptions(**options))
+        self.engine.submit(seq)
+        return seq
+
+    def propose(self, seq: Sequence, base_len: int, tokens=(), **extra) -> None:
+        message = drafter_pb2.DraftProposals(proposals=[
+            drafter_pb2.DraftProposal(seq_id=seq.seq_id, base_len=base_len, token_ids=list(tokens), **extra)])
+        self.engine.speculator.on_proposals(message, message.ByteSize())
+
+    def verified_drafts(self, seq: Sequence) -> list[int]:
+        """The drafts the last verify call handed the runner for this sequence."""
+        [item] = [i for i in self.runner.verified[-1] if self.runner.prompts[i.slot] == tuple(seq.prompt_ids)]
+        return list(item.drafts.tokens) if item.drafts else []
+
+    def count(self, name: str, **labels: str) -> float:
+        value = self.engine.metrics.registry.get_sample_value(name, {"model": "test", "service": "target", **labels})
+        return value or 0.0
+
+
+@pytest.fixture
+def make():
+    """Builds a Harness; the drafter is connected, and steps never wait unless draft_wait_ms is given."""
+    engines = []
+
+    def build(num_slots: int = 4, max_len: int = 64, max_k: int = MAX_K, **config) -> Harness:
+        config.setdefault("draft_wait_ms", 0)
+        events: list = []
+        runner = ScriptedRunner(events)
+        link = FakeLink(events, max_k=max_k)
+        target_config, metrics = TargetConfig(**config), TargetMetrics("test")
+        speculator = Speculator(speculation_policy(target_config), metrics, vocab_size=VOCAB, max_len=max_len,
+                                connect=lambda peer: link)
+        scheduler = Scheduler(FakeCache(num_slots, max_len), target_config.max_num_seqs, target_config.max_queue,
+                              metrics)
+        engine = Engine(runner, scheduler, speculator, FakeTokenizer(), target_config, metrics)
+        engines.append(engine)
+        return Harness(engine, runner, link, events)
+
+    yield build
+    for engine in engines:
+        engine.executor.shutdown()
+
+
+def outputs(seq: Sequence) -> list[Output]:
+    got = []
+    while not seq.outbox.empty():
+        got.append(seq.outbox.get_nowait())
+    return got
+
+
+async def _prefilled(make, **overrides) -> tuple[Harness, Sequence]:
+    """A harness whose one sequence has committed T[0] on its prefill."""
+    h = make()
+    seq = h.submit(**overrides)
+    await h.engine.step()
+    assert seq.token_ids == [*PROMPT, T[0]]
+    return h, seq
+
+
+# ---- one step's drafts: hits, misses, salvage, stale drops ---------------------------------------
+
+PROPOSAL_CASES = {
+    # name: (base_len, drafts) -> (verified, committed, accepted, miss, salvaged, dropped)
+    "all accepted": ((N, T[1:5]), (T[1:5], T[1:6], 4, 0, 0, 0)),
+    "rejected at the second": ((N, (T[1], WRONG, T[3])), ((T[1], WRONG, T[3]), T[1:3], 1, 0, 0, 0)),
+    "salvaged past the prefill token": ((N - 1, T[0:3]), (T[1:3], T[1:4], 2, 0, 1, 0)),
+    "stale and contradicted": ((N - 1, (WRONG, T[1])), ((), T[1:2], 0, 1, 0, 1)),
+    "used up by the prefill token": ((N - 1, T[0:1]), ((), T[1:2], 0, 1, 0, 0)),
+    "nothing for this prefix": ((N, ()), ((), T[1:2], 0, 1, 0, 0)),
+}
+
+
+@pytest.mark.parametrize("proposal, expected", PROPOSAL_CASES.values(), ids=PROPOSAL_CASES.keys())
+async def test_a_step_verifies_the_drafts_that_continue_the_committed_tokens(make, proposal, expected):
+    verified, committed, accepted, miss, salvaged, dropped = expected
+    h, seq = await _prefilled(make)
+    h.propose(seq, *proposal)
+    await h.engine.step()
+    assert h.verified_drafts(seq) == list(verified)
+    assert seq.token_ids[N:] == list(committed)
+    assert (seq.draft_tokens, seq.accepted_tokens, seq.draft_steps) == (len(verified), accepted, int(bool(verified)))
+    assert h.count("tandem_spec_decode_num_draft_tokens_total") == len(verified)
+    assert h.count("tandem_spec_decode_num_accepted_tokens_total") == accepted
+    assert h.count("tandem_draft_miss_total") == miss
+    assert h.count("tandem_draft_stale_total", outcome="salvaged") == salvaged
+    assert h.count("tandem_draft_stale_total", outcome="dropped") == dropped
+
+
+async def test_a_contradicted_proposal_is_dropped_once_and_not_counted_again(make):
+    h, seq = await _prefilled(make)
+    h.propose(seq, N - 1, (WRONG, T[1]))
+    await h.engine.step()
+    await h.engine.step()
+    assert h.count("tandem_draft_stale_total", outcome="dropped") == 1
+    assert h.count("tandem_draft_miss_total") == 2
+
+
+@pytest.mark.parametrize("newest_first", [False, True])
+async def test_of_the_proposals_that_continue_the_tokens_the_one_with_most_drafts_is_verified(make, newest_first):
+    """The target keeps several proposals (the speculation cache); each usable one is a valid draw
+    given the committed tokens, so the step verifies the one with the most drafts left, whatever
+    their order of arrival."""
+    h, seq = await _prefilled(make)
+    proposals = [(N, T[1:3]), (N - 1, (T[0], WRONG))]
+    for proposal in reversed(proposals) if newest_first else proposals:
+        h.propose(seq, *proposal)
+    await h.engine.step()
+    assert h.verified_drafts(seq) == list(T[1:3])
+
+
+async def test_of_two_usable_proposals_with_as_many_drafts_the_newest_is_verified(make):
+    h, seq = await _prefilled(make)
+    h.propose(seq, N, (T[1], WRONG))
+    h.propose(seq, N, (T[1], T[2]))
+    await h.engine.step()
+    assert h.verified_drafts(seq) == list(T[1:3])
+
+
+# ---- the speculation cache: pre-drafts that assume the outcome of the step being verified --------
+
+CACHE_CASES = {
+    # name: the root (base_len, drafts) and pre-drafts [(assumed, drafts)] sent while the root is
+    # verified -> (drafts of the second step, cache hits, pre-drafts evicted unused after three steps)
+    "the bonus outcome is cached": ((N, T[1:3]), [(T[1:4], T[4:8]), ((T[1], WRONG), (1, 2))], (T[4:8], 1, 1)),
+    "a recovered outcome is cached": ((N, (T[1], WRONG)), [((T[1], T[2]), T[3:7]), (T[1:4], (5, 6))], (T[3:7], 1, 1)),
+    "no outcome guessed right": ((N, (T[1], WRONG)), [((T[1], WRONG), (5, 6)), ((WRONG,), (7,))], ((), 0, 2)),
+    "after a plain decode step": ((N, ()), [((T[1],), T[2:6])], (T[2:6], 1, 0)),
+}
+
+
+@pytest.mark.parametrize("root, predrafts, expected", CACHE_CASES.values(), ids=CACHE_CASES.keys())
+async def test_a_step_verifies_the_pre_draft_whose_assumed_tokens_it_committed(make, root, predrafts, expected):
+    second_drafts, hits, evicted = expected
+    h, seq = await _prefilled(make)
+    h.propose(seq, *root)
+    for assumed, drafts in predrafts:  # pre-drafts for outcomes of the root's verification
+        h.propose(seq, N + len(assumed), drafts, assumed_ids=list(assumed))
+    await h.engine.step()  # verifies the root; the pre-drafts are pending until now
+    await h.engine.step()
+    assert h.verified_drafts(seq) == list(second_drafts)
+    await h.engine.step()  # by now every pre-draft is used, or contradicted by what was committed
+    committed = seq.token_ids[N:]
+    assert committed == list(T[1 : 1 + len(committed)])  # greedy output is the target's alone
+    assert h.count("tandem_draft_cache_hits_total") == hits
+    assert h.count("tandem_draft_cache_evicted_total") == evicted
+    assert h.count("tandem_draft_stale_total", outcome="dropped") == 0
+
+
+async def test_a_pre_draft_that_covers_the_committed_tokens_means_no_answer_is_owed(make):
+    """The drafter sends no fresh proposal for a prefix its pre-draft covers, so the Extend for it
+    must not count as unanswered: that would make the target think a working drafter silent."""
+    h, seq = await _prefilled(make)
+    h.propose(seq, N, T[1:3])
+    h.propose(seq, N + 3, T[4:8], assumed_ids=list(T[1:4]))
+    policy = h.engine.speculator.policy
+    policy._unanswered_since = None
+    await h.engine.step()
+    assert seq.token_ids[N:] == list(T[1:4])
+    assert policy._unanswered_since is None, "an Extend covered by a held pre-draft owes no answer"
+    h.propose(seq, N + 3, T[4:8])  # a plain proposal for the same prefix is an answer, not a pre-draft
+    await h.engine.step()
+    assert h.verified_drafts(seq) == list(T[4:8])
+
+
+ASSUMED_CASES = {
+    # name: (base_len, drafts, assumed) of an invalid pre-draft -> reason
+    "assumes more than k + 1 tokens": (N + 6, (5,), (1, 2, 3, 4, 5, 6), "assumed"),
+    "an assumed id outside the vocabulary": (N + 1, (5,), (VOCAB,), "token_id"),
+    "drafted from a prefix longer than the committed one": (N + 3, (5,), (1,), "base_len"),
+}
+
+
+@pytest.mark.parametrize("base_len, drafts, assumed, reason", ASSUMED_CASES.values(), ids=ASSUMED_CASES.keys())
+async def test_an_invalid_pre_draft_is_dropped_and_counted(make, base_len, drafts, assumed, reason):
+    h, seq = await _prefilled(make)
+    h.propose(seq, base_len, drafts, assumed_ids=list(assumed))
+    assert h.count("tandem_draft_rejected_proposals_total", reason=reason) == 1
+
+
+async def test_the_synchronous_baseline_takes_no_pre_drafts(make):
+    h = make(sync_speculation=True)
+    seq = h.submit()
+    h.engine.speculator.admit([seq])  # what the step's admission does, without its synchronous wait
+    [open_msg] = h.link.updates[0].opens
+    assert not open_msg.accepts_assumed
+    h.engine.speculator.on_proposals(drafter_pb2.DraftProposals(proposals=[drafter_pb2.DraftProposal(
+        seq_id=seq.seq_id, base_len=len(PROMPT) + 1, token_ids=[5], assumed_ids=[T[0]])]), 0)
+    assert h.count("tandem_draft_rejected_proposals_total", reason="assumed") == 1
+
+
+async def test_the_asynchronous_target_opens_sequences_for_pre_drafts(make):
+    h = make()
+    h.submit()
+    await h.engine.step()
+    assert [o.accepts_assumed for o in h.link.updates[0].opens] == [True]
+
+
+# ---- how many: each sequence's cap, then the step's budget ---------------------------------------
+
+CAP_CASES = {
+    # name: (sequence options, max_len) -> drafts verified out of MAX_K offered
+    "its k": (dict(num_speculative_tokens=2), 64, 2),
+    "all of them": (dict(), 64, 4),
+    "two tokens left: one draft and the bonus": (dict(max_tokens=3), 64, 1),
+    "one token left: none": (dict(max_tokens=2), 64, 0),
+    "two positions left in the cache": (dict(), N + 2, 2),
+    "not speculating": (dict(speculate=False), 64, 0),
+}
+
+
+@pytest.mark.parametrize("options, max_len, cap", CAP_CASES.values(), ids=CAP_CASES.keys())
+async def test_each_sequence_verifies_at_most_its_cap(make, monkeypatch, options, max_len, cap):
+    h = make(max_len=max_len)
+    seq = h.submit(**options)
+    await h.engine.step()
+    limits = []
+    policy_limits = h.engine.speculator.policy.draft_limits
+
+    def draft_limits(records: list, available: list[int]) -> list[int]:
+        limits.append(available)
+        return policy_limits(records, available)
+
+    monkeypatch.setattr(h.engine.speculator.policy, "draft_limits", draft_limits)
+    h.propose(seq, N, T[1:5])
+    await h.engine.step()
+    assert h.verified_drafts(seq) == list(T[1 : 1 + cap])
+    assert limits == [[cap]], "the budget must see the drafts after the cap"
+    assert h.count("tandem_draft_miss_total") == 0
+
+
+@pytest.mark.parametrize("budget, salvaged", [(0, 0), (1, 2), (2, 2), (9, 2)])
+async def test_the_budget_caps_every_sequence_and_is_no_miss(make, monkeypatch, budget, salvaged):
+    h = make()
+    seqs = [h.submit(PROMPT), h.submit(OTHER_PROMPT)]
+    await h.engine.step()
+    monkeypatch.setattr(h.engine.speculator.policy, "draft_limits", lambda records, available: [budget] * len(available))
+    for seq in seqs:  # drafted from the prompt: the prefill token salvages them, three drafts remain
+        h.propose(seq, len(seq.prompt_ids), CONTINUATIONS[tuple(seq.prompt_ids)][:4])
+    await h.engine.step()
+    for seq in seqs:
+        assert h.verified_drafts(seq) == list(CONTINUATIONS[tuple(seq.prompt_ids)][1 : 1 + min(budget, 3)])
+    assert h.count("tandem_draft_miss_total") == 0
+    assert h.count("tandem_draft_stale_total", outcome="salvaged") == salvaged
+    kind = "verify" if budget else "decode"
+    assert h.count("tandem_step_duration_seconds_count", kind=kind) == 1
+
+
+# ---- committing: stops inside accepted runs --------------------------------------------------------
+
+async def test_a_stop_inside_an_accepted_run_counts_only_the_committed_drafts(make):
+    h, seq = await _prefilled(make, stop_token_ids=frozenset({T[2]}))
+    h.propose(seq, N, T[1:5])
+    await h.engine.step()
+    assert h.verified_drafts(seq) == list(T[1:5])  # the verifier accepts all four
+    *tokens, last = outputs(seq)
+    assert [t for o in tokens for t in o.token_ids] == [T[0], T[1], T[2]]
+    assert (tokens[-1].num_accepted, last.finish) == (2, FinishReason.STOP)
+    assert (seq.draft_tokens, seq.accepted_tokens, seq.draft_steps) == (4, 2, 1)
+    assert h.count("tandem_spec_decode_num_accepted_tokens_total") == 2
+    assert [h.count("tandem_spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+            for p in range(4)] == [1, 1, 0, 0]
+    assert h.count("tandem_acceptance_length_sum") == 3
+    assert h.engine.speculator.policy.alpha == 1.0, "the policy learns from the verifier's verdict, not from the stop"
+
+
+# ---- what the drafter is told ----------------------------------------------------------------------
+
+MESSAGE_CASES = {
+    # name: sequence options -> what the drafter is told about it, start to end
+    "ends on its prefill token": (dict(max_tokens=1), [("open", list(PROMPT), MAX_K), ("close",)]),
+    "ends after one decode": (dict(max_tokens=2), [("open", list(PROMPT), MAX_K), ("extend", 3, [T[0]]),
+                                                   ("close",)]),
+    "k above the drafter's max_k": (dict(max_tokens=2, num_speculative_tokens=8),
+                                    [("open", list(PROMPT), MAX_K), ("extend", 3, [T[0]]), ("close",)]),
+    "not speculating": (dict(max_tokens=2, speculate=False), []),
+}
+
+
+@pytest.mark.parametrize("options, told", MESSAGE_CASES.values(), ids=MESSAGE_CASES.keys())
+async def test_the_drafter_is_told_open_extends_and_close(make, options, told):
+    h = make()
+    seq = h.submit(**options)
+    while seq.finish is None:
+        await h.engine.step()
+    assert h.link.told(seq) == told
+
+
+async def test_the_open_goes_out_before_the_prefill(make):
+    """So that the drafter's prefill runs beside the target's."""
+    h = make()
+    h.submit()
+    await h.engine.step()
+    assert h.events[:2] == ["update", "prefill"]
+
+
+async def test_an_aborted_sequence_is_closed_after_the_step_that_uses_it(make):
+    h, seq = await _prefilled(make)
+    other = h.submit(OTHER_PROMPT)
+    await h.engine.step()
+    h.engine.abort(seq)
+    assert h.link.told(seq)[-1] != ("close",), "a running sequence is released only by the next step"
+    await h.engine.step()
+    assert h.link.told(seq)[-1] == ("close",)
+    assert seq.slot is None and other.finish is None
+
+
+# ---- reconnect ----------------------------------------------------------------------------------------
+
+async def test_reopen_all_opens_running_sequences_afresh_and_forgets_their_proposals(make):
+    h = make(max_k=3)
+    finished, running = h.submit(PROMPT), h.submit(OTHER_PROMPT)
+    await h.engine.step()
+    h.propose(running, len(OTHER_PROMPT) + 1, CONTINUATIONS[OTHER_PROMPT][1:4])
+    h.engine.abort(finished)  # finished, but released only at the next step
+    h.link.updates.clear()  # a new stream
+    h.link.updates.append(h.engine.speculator.reopen_all())
+    assert h.link.told(running) == [("open", running.token_ids, 3)]
+    assert h.link.told(finished) == []
+    await h.engine.step()
+    assert h.link.told(finished) == [], "the new stream never opened it: no Close"
+    assert h.verified_drafts(running) == [], "a proposal from the old stream was used"
+    assert h.count("tandem_draft_miss_total") == 1
+    assert h.link.told(running)[1:] == [("extend", len(OTHER_PROMPT) + 1, running.token_ids[-1:])]
+
+
+# ---- invalid proposals ----------------------------------------------------------------------------------
+
+INVALID_CASES = {
+    "token_id": (N, (VOCAB,)),
+    "length": (N, T[1 : 2 + MAX_K]),
+    "base_len": (N + 1, T[2:3]),
+}
+
+
+@pytest.mark.parametrize("reason, proposal", INVALID_CASES.items(), ids=INVALID_CASES.keys())
+async def test_an_invalid_proposal_is_counted_by_reason_and_never_verified(make, reason, proposal):
+    h, seq = await _prefilled(make)
+    h.propose(seq, *proposal)
+    await h.engine.step()
+    assert h.count("tandem_draft_rejected_proposals_total", reason=reason) == 1
+    assert h.verified_drafts(seq) == []
+
+
+async def test_a_sampled_request_needs_valid_probabilities(make):
+    h, seq = await _prefilled(make, temperature=0.8)
+    h.propose(seq, N, T[1:2], probs=b"\x07garbage", probs_top_k=4)
+    assert h.count("tandem_draft_rejected_proposals_total", reason="probs") == 1
+
+
+@pytest.mark.parametrize("top_k, rejected", [(1, 0), (4, 0), (5, 1)])
+async def test_a_proposal_may_carry_fewer_probability_entries_than_announced(make, top_k, rejected):
+    """A drafter may send point masses (K=1, the suffix drafter in front of the model) under the K it
+    announced (4 here), never more."""
+    h, seq = await _prefilled(make, temperature=0.8)
+    q = torch.zeros(1, VOCAB)
+    q[0, T[1]], q[0, 1:top_k] = 1.0, 0.5
+    h.propose(seq, N, T[1:2], probs=pack(encode(q, top_k)), probs_top_k=top_k)
+    await h.engine.step()
+    assert h.count("tandem_draft_rejected_proposals_total", reason="probs") == rejected
+    assert h.verified_drafts(seq) == ([] if rejected else [T[1]])
+
+
+# ---- waiting for drafts ------------------------------------------------------------------------------
+
+async def _timed_step(h: Harness) -> float:
+    started = time.perf_counter()
+    await h.engine.step()
+    return time.perf_counter() - started
+
+
+async def test_a_step_waits_for_missing_drafts_until_they_arrive(make):
+    h = make(draft_wait_ms=1000)
+    seq = h.submit()
+    await h.engine.step()
+    asyncio.get_running_loop().call_later(0.05, h.propose, seq, N, T[1:3])
+    assert await _timed_step(h) < 0.5
+    assert h.verified_drafts(seq) == list(T[1:3])
+    assert h.count("tandem_draft_wait_seconds_count") == 1
+
+
+async def test_a_sequence_that_can_verify_no_drafts_is_not_waited_for(make):
+    h = make(draft_wait_ms=1000)
+    ready, last = h.submit(PROMPT), h.submit(OTHER_PROMPT, max_tokens=2)  # `last` has one token to go
+    await h.engine.step()
+    h.propose(ready, N, T[1:3])
+    assert await _timed_step(h) < 0.5
+    assert h.count("tandem_draft_wait_seconds_count") == 0
+    assert last.finish is FinishReason.LENGTH
+
+
+async def test_a_request_to_admit_ends_the_wait_for_drafts(make):
+    """Waiting for drafts never delays a prefill."""
+    h = make(draft_wait_ms=1000)
+    seq = h.submit()
+    await h.engine.step()
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.02, h.submit, OTHER_PROMPT)
+    loop.call_later(0.3, h.propose, seq, N, T[1:3])
+    assert await _timed_step(h) < 0.25
+    assert h.verified_drafts(seq) == []
+    assert h.count("tandem_draft_miss_total") == 1
+
+
+async def test_synchronous_speculation_publishes_tokens_only_once_the_next_drafts_arrive(make):
+    """Even when a request could be admitted meanwhile: the baseline blocks."""
+    h = make(sync_speculation=True)
+    seq = h.submit()
+    loop = asyncio.get_running_loop()
+    queued_at_100ms = []
+    loop.call_later(0.02, h.submit, OTHER_PROMPT)
+    loop.call_later(0.1, lambda: queued_at_100ms.append(seq.outbox.qsize()))
+    loop.call_later(0.15, h.propose, seq, N, T[1:3])
+    assert 0.15 <= await _timed_step(h) < 0.9
+    assert queued_at_100ms == [0]
+    assert [o.token_ids for o in outputs(seq)] == [[T[0]]]
+    assert len(h.engine.scheduler.waiting) == 1

@@ -1,0 +1,229 @@
+"""vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine) on the target's gRPC port, driven with
+smg-grpc-proto's own stubs, as the Shepherd Model Gateway drives a vLLM worker."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import zipfile
+
+import grpc
+import pytest
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from tests.support.service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape
+from tandem.tokenizer import Tokenizer
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def stub(front_doors):
+    with grpc.insecure_channel(front_doors.address) as channel:
+        yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+
+def _request(ids: list[int], stream: bool = True, request_id: str = "r",
+             **sampling) -> vllm_engine_pb2.GenerateRequest:
+    gateway_defaults = dict(top_p=1.0, repetition_penalty=1.0, n=1, skip_special_tokens=True)
+    params = vllm_engine_pb2.SamplingParams(**{**gateway_defaults, **sampling})
+    return vllm_engine_pb2.GenerateRequest(request_id=request_id, stream=stream, sampling_params=params,
+                                           tokenized=vllm_engine_pb2.TokenizedInput(input_ids=ids))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return Tokenizer.from_gguf(smollm2_path)
+
+
+def _prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """The chat prompt's ids as the gateway sends them: it renders the template and tokenizes itself."""
+    return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+
+
+def test_greedy_ids_equal_tandems_streamed_and_not(front_doors, stub, tokenizer):
+    for prompt in PROMPTS[:2]:
+        [expected] = run_requests(front_doors.address, [greedy_request(prompt, MAX_TOKENS)])
+        ids = _prompt_ids(tokenizer, prompt)
+        responses = list(stub.Generate(_request(ids, temperature=0.0, max_tokens=MAX_TOKENS), timeout=60))
+        chunks = [r.chunk for r in responses if r.HasField("chunk")]
+        [complete] = [r.complete for r in responses if r.HasField("complete")]
+        assert responses[-1].HasField("complete")
+        assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+        assert all(c.prompt_tokens == len(ids) and c.completion_tokens == len(c.token_ids) for c in chunks)
+        assert complete.finish_reason == expected.finish_reason
+        assert complete.prompt_tokens == len(ids) and complete.completion_tokens == len(expected.token_ids)
+        whole = list(stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=MAX_TOKENS), timeout=60))
+        assert len(whole) == 1 and list(whole[0].complete.output_ids) == expected.token_ids
+
+
+def test_the_complete_message_names_the_stop_that_matched(stub, tokenizer):
+    ids = _prompt_ids(tokenizer, PROMPTS[4])
+    [by_string] = [r.complete for r in stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=48,
+                                                              stop=["lazy"]), timeout=60)]
+    assert by_string.finish_reason == "stop" and by_string.matched_stop_str == "lazy"
+    free = [r.complete for r in stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=8), timeout=60)]
+    third = free[0].output_ids[2]
+    [by_token] = [r.complete for r in stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=8,
+                                                             stop_token_ids=[third]), timeout=60)]
+    assert by_token.matched_token_id == third and list(by_token.output_ids) == list(free[0].output_ids[:3])
+    assert free[0].finish_reason == "length" and free[0].WhichOneof("matched_stop") is None
+
+
+def test_speculation_counts_arrive_in_the_complete_message(stub, tokenizer):
+    ids = tokenizer.encode("Repeat: " + " ".join(["alpha beta gamma delta"] * 6))
+    [complete] = [r.complete for r in stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=48),
+                                                    timeout=60)]
+    assert complete.spec_draft_tokens >= complete.spec_accepted_tokens > 0
+
+
+def test_structured_output_maps_onto_the_constraint(stub, tokenizer):
+    ids = _prompt_ids(tokenizer, "Is the sky blue?")
+    choice = vllm_engine_pb2.ChoiceConstraint(choices=["yes", "no"])
+    [complete] = [r.complete for r in stub.Generate(_request(ids, stream=False, max_tokens=8, choice=choice),
+                                                    timeout=60)]
+    text = tokenizer.decode(complete.output_ids, skip_special_tokens=True)
+    assert text in ("yes", "no")
+    schema = json.dumps({"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]})
+    [complete] = [r.complete for r in stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=64,
+                                                             json_schema=schema), timeout=60)]
+    assert complete.finish_reason == "stop"
+    answer = json.loads(tokenizer.decode(complete.output_ids, skip_special_tokens=True))
+    assert isinstance(answer["answer"], bool)
+
+
+@pytest.mark.parametrize("sampling, field", [
+    (dict(frequency_penalty=0.5), "sampling_params.frequency_penalty"),
+    (dict(presence_penalty=0.5), "sampling_params.presence_penalty"),
+    (dict(repetition_penalty=1.2), "sampling_params.repetition_penalty"),
+    (dict(min_tokens=3), "sampling_params.min_tokens"),
+    (dict(n=2), "sampling_params.n"),
+    (dict(logprobs=2), "sampling_params.logprobs"),
+    (dict(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
+    (dict(truncate_prompt_tokens=8), "sampling_params.truncate_prompt_tokens"),
+    (dict(include_stop_str_in_output=True), "sampling_params.include_stop_str_in_output"),
+    (dict(logit_bias={5: 1.0}), "sampling_params.logit_bias"),
+    (dict(structural_tag="{}"), "sampling_params.structural_tag"),
+    (dict(temperature=-1.0), "sampling_params.temperature"),
+    (dict(top_p=1.5), "sampling_params.top_p"),
+    (dict(max_tokens=10**6), "sampling_params.max_tokens"),
+    (dict(stop_token_ids=[10**8]), "sampling_params.stop_token_ids"),
+    (dict(regex="(unclosed"), "sampling_params.regex"),
+    (dict(json_schema="{not json"), "sampling_params.json_schema"),
+])
+def test_fields_not_served_or_out_of_range_are_invalid_argument_naming_them(stub, sampling, field):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(_request([1, 2, 3], **sampling), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(field), info.value.details()
+
+
+@pytest.mark.parametrize("request_fields, field", [
+    (dict(tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[10**8])), "tokenized.input_ids"),
+    (dict(tokenized=vllm_engine_pb2.TokenizedInput()), "tokenized.input_ids"),
+    (dict(data_parallel_rank=1), "data_parallel_rank"),
+    (dict(kv_transfer_params_json="{}"), "kv_transfer_params_json"),
+    (dict(mm_inputs=vllm_engine_pb2.MultimodalInputs()), "mm_inputs"),
+])
+def test_request_fields_not_served_are_invalid_argument(stub, request_fields, field):
+    request = _request([1, 2, 3])
+    for name, value in request_fields.items():
+        if isinstance(value, (int, str)):
+            setattr(request, name, value)
+        else:
+            getattr(request, name).CopyFrom(value)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(field), info.value.details()
+
+
+def test_a_text_prompt_is_taken_too(stub):
+    request = _request([], temperature=0.0, max_tokens=4)
+    request.text = "The capital of France is"
+    assert [r for r in stub.Generate(request, timeout=60) if r.HasField("complete")]
+
+
+def test_a_running_id_is_refused_again_and_an_abort_call_ends_it_cancelled(front_doors):
+    async def run_then_abort():
+        async with grpc.aio.insecure_channel(front_doors.address) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            call = stub.Generate(_request([1, 2, 3, 4], request_id="abort-me", max_tokens=400, ignore_eos=True))
+            async for _ in call:
+                break
+            with pytest.raises(grpc.aio.AioRpcError) as again:
+                async for _ in stub.Generate(_request([1, 2, 3], request_id="abort-me", max_tokens=2)):
+                    pass
+            await stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=["abort-me", "never-seen"]))
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for _ in call:
+                    pass
+            return again.value.code(), ended.value.code()
+
+    before = metric(scrape(front_doors.metrics_url), "tandem_request_success_total", finish_reason="abort")
+    # CANCELLED, not UNAVAILABLE: a gateway would retry that elsewhere
+    assert asyncio.run(run_then_abort()) == (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.CANCELLED)
+    samples = scrape(front_doors.metrics_url)
+    assert metric(samples, "tandem_request_success_total", finish_reason="abort") == before + 1
+    assert metric(samples, "tandem_num_requests_running") == 0 and metric(samples, "tandem_num_requests_waiting") == 0
+
+
+def test_health_model_server_info_and_loads(front_doors, stub):
+    health = stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=10)
+    assert health.healthy
+    info = stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=10)
+    assert info.is_generation and info.served_model_name == "smollm2-135m" and info.max_context_length == 512
+    assert info.vocab_size == 49152 and 2 in info.eos_token_ids and info.architectures == ["LlamaForCausalLM"]
+    server = stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=10)
+    assert server.max_num_seqs == 8 and server.data_parallel_size == 1 and not server.is_paused
+    loads = stub.GetLoads(vllm_engine_pb2.GetLoadsRequest(include=["core"]), timeout=10)
+    [load] = loads.loads
+    assert loads.dp_rank_count == 1 and load.max_running_requests == 8 and 0 <= load.token_usage < 1
+
+
+def test_the_tokenizer_bundle_rebuilds_the_served_tokenizer(stub, tokenizer, tmp_path):
+    chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=30))
+    bundle = b"".join(c.data for c in chunks)
+    assert [bool(c.sha256) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].sha256 == hashlib.sha256(bundle).hexdigest()
+    zipfile.ZipFile(io.BytesIO(bundle)).extractall(tmp_path)
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"} <= {
+        p.name for p in tmp_path.iterdir()}
+    rebuilt, served = Tokenizer.from_dir(tmp_path), tokenizer
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there, café?"}]
+    assert rebuilt.encode_chat(chat) == served.encode_chat(chat)
+    assert rebuilt.encode("naïve  text\n\tx") == served.encode("naïve  text\n\tx")
+    assert rebuilt.eos_token_ids == served.eos_token_ids
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("call, request_message", [
+    ("Embed", vllm_engine_pb2.EmbedRequest()),
+    ("FlushCache", common_pb2.FlushCacheRequest()),
+    ("StartProfile", common_pb2.StartProfileRequest()),
+    ("StopProfile", common_pb2.StopProfileRequest()),
+])
+def test_what_is_not_served_is_unimplemented_with_a_reason(stub, call, request_message):
+    with pytest.raises(grpc.RpcError) as info:
+        getattr(stub, call)(request_message, timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and info.value.details()
+
+
+def test_kv_events_are_unimplemented(stub):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_undecodable_bytes_are_invalid_argument(front_doors):
+    """Bad UTF-8 in request_id: grpc would answer UNKNOWN without the interceptor."""
+    wire = _request([1, 2]).SerializeToString() + b"\x0a\x02\xff\xfe"  # field 1 (request_id), 2 bad bytes
+    with grpc.insecure_channel(front_doors.address) as channel:
+        call = channel.unary_stream("/vllm.grpc.engine.VllmEngine/Generate",
+                                    request_serializer=lambda raw: raw,
+                                    response_deserializer=vllm_engine_pb2.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(wire, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
