@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from kernels.compression import CompressedProbs, pack
-from kernels.sampling import effective_temperature
+from kernels.sampling import Sampling
 from tandem.structured import Constraint
 from tandem.v1 import drafter_pb2
 
@@ -25,44 +25,10 @@ if TYPE_CHECKING:
 SeqKey = tuple[int, int]  # (stream id, sequence id): sequence ids are per Speculate stream
 
 
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """How one sequence's drafts are drawn; the target's own sampling parameters."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0  # int64, as the kernels key their draws
-    invariant: bool = False  # drafter-invariant mode: draw with the target's shared noise
-
-    @classmethod
-    def from_proto(cls, msg: drafter_pb2.DraftSampling) -> "Sampling":
-        """Proto3 leaves an unset top_p at 0, which means off; the uint64 seed becomes its int64 bits.
-
-        A temperature too small to divide logits by is greedy, as on the target."""
-        seed = msg.seed - (1 << 64) if msg.seed >= 1 << 63 else msg.seed
-        return cls(effective_temperature(msg.temperature), msg.top_k, msg.top_p or 1.0, msg.min_p, seed,
-                   msg.drafter_invariant)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def sends_probs(self) -> bool:
-        """Rejection sampling needs q'; greedy and drafter-invariant verification need ids only."""
-        return not self.greedy and not self.invariant
-
-    def problem(self) -> str | None:
-        """Why the kernels would refuse these parameters, or None."""
-        if not (self.temperature >= 0 and self.temperature != float("inf")):
-            return f"temperature {self.temperature} must be finite and >= 0"
-        if not 0 < self.top_p <= 1:
-            return f"top_p {self.top_p} must be in (0, 1]"
-        if not 0 <= self.min_p <= 1:
-            return f"min_p {self.min_p} must be in [0, 1]"
-        return None
+def sampling_of(msg: drafter_pb2.DraftSampling) -> Sampling:
+    """Proto3 leaves an unset top_p at 0, which means off; the uint64 seed becomes its int64 bits."""
+    seed = msg.seed - (1 << 64) if msg.seed >= 1 << 63 else msg.seed
+    return Sampling(msg.temperature, msg.top_k, msg.top_p or 1.0, msg.min_p, seed, msg.drafter_invariant)
 
 
 @dataclass(slots=True)
@@ -130,14 +96,13 @@ class Guess:
 
 
 @dataclass(slots=True)
-class Draft:
+class Proposal:
     """Draft tokens for positions base_len.. of one sequence, with q' when the target needs it."""
 
     key: SeqKey
     base_len: int
     token_ids: list[int]
-    probs: bytes = b""  # kernels.compression.pack of q', one row per draft token
-    probs_top_k: int = 0
+    q_prime: CompressedProbs | None = None  # one row per draft token; None: ids only (packed in to_proto)
     assumed_ids: list[int] = field(default_factory=list)  # positions base_len - len(assumed_ids) .. base_len - 1
     # Not sent: recovered_guesses[i] are the drafter's guesses at the token the target emits if it
     # rejects token_ids[i], its most likely tokens other than token_ids[i], best first (empty: none).
@@ -151,22 +116,22 @@ class Draft:
         return self.job.tokens + guessed
 
     def to_proto(self) -> drafter_pb2.DraftProposal:
-        return drafter_pb2.DraftProposal(seq_id=self.key[1], base_len=self.base_len, token_ids=self.token_ids,
-                                         probs=self.probs, probs_top_k=self.probs_top_k, assumed_ids=self.assumed_ids)
+        message = drafter_pb2.DraftProposal(seq_id=self.key[1], base_len=self.base_len, token_ids=self.token_ids,
+                                            assumed_ids=self.assumed_ids)
+        if self.q_prime is not None:
+            message.probs, message.probs_top_k = pack(self.q_prime), self.q_prime.k
+        return message
 
 
-def make_draft(job: DraftJob, token_ids: list[int], compressed: CompressedProbs | None,
-               recovered_guesses: list[list[Guess]] | None = None, guessed_next: int | None = None) -> Draft:
-    """A Draft carrying q' (packed) for rejection sampling, or ids only when compressed is None.
+def make_proposal(job: DraftJob, token_ids: list[int], q_prime: CompressedProbs | None,
+               recovered_guesses: list[list[Guess]] | None = None, guessed_next: int | None = None) -> Proposal:
+    """A Proposal carrying q' for rejection sampling, or ids only when q_prime is None.
 
     guessed_next: the bonus token a guess_next job guessed, the last of its assumed tokens.
     """
     assumed = job.tokens[job.known_len :] + ([] if guessed_next is None else [guessed_next])
-    draft = Draft(job.sequence.key, job.base_len, token_ids, assumed_ids=assumed,
-                  recovered_guesses=recovered_guesses or [], job=job)
-    if compressed is not None:
-        draft.probs, draft.probs_top_k = pack(compressed), compressed.k
-    return draft
+    return Proposal(job.sequence.key, job.base_len, token_ids, q_prime, assumed_ids=assumed,
+                 recovered_guesses=recovered_guesses or [], job=job)
 
 
 def never() -> bool:
@@ -191,7 +156,7 @@ class Drafter(Protocol):
         """The target committed these tokens (all of them, prompt included): state kept for outcomes
         that did not happen may go, state drafted for the one that did is kept."""
 
-    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Draft]:
+    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Proposal]:
         """Up to each job's k draft tokens, batched; jobs with nothing to propose may be left out.
 
         A pre-draft job (job.is_predraft) may also be left out when the drafter has no room for it.

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 
-from draft_service.drafter import Draft, DraftSequence, SeqKey
+from draft_service.drafter import Proposal, DraftSequence, SeqKey
 from draft_service.drafters.kv_slots import common_prefix_len
-from kernels.compression import pack, point_mass, truncate_packed
+from kernels.compression import point_mass
 from tandem.structured import CompiledGrammar, ConstraintError, GrammarCompiler
 from tandem.structured.grammar import Matcher
 
@@ -93,7 +93,7 @@ class DraftGrammars:
             sequence.grammar.settle(committed)
 
     @staticmethod
-    def constrain(drafts: list[Draft], sequences: dict[SeqKey, DraftSequence]) -> list[Draft]:
+    def constrain(drafts: list[Proposal], sequences: dict[SeqKey, DraftSequence]) -> list[Proposal]:
         """Each constrained draft cut at the first token its grammar forbids, then extended with the
         tokens the grammar forces, up to k; pre-drafts left empty go."""
         kept = []
@@ -106,11 +106,11 @@ class DraftGrammars:
         return kept
 
 
-def _fit(draft: Draft, sequence: DraftSequence) -> None:
+def _fit(draft: Proposal, sequence: DraftSequence) -> None:
     if sequence.grammar is None:
         cut(draft, 0)
         return
-    extendable = draft.probs_top_k <= 1  # ids only, or point masses: forced tokens come as point masses
+    extendable = draft.q_prime is None or draft.q_prime.k == 1  # ids only, or point masses, as forced tokens come
     limit = sequence.k if extendable else len(draft.token_ids)
     allowed, forced = sequence.grammar.fit(draft.prefix, draft.token_ids, limit)
     if allowed < len(draft.token_ids):
@@ -118,13 +118,13 @@ def _fit(draft: Draft, sequence: DraftSequence) -> None:
     if forced:
         draft.token_ids.extend(forced)
         draft.recovered_guesses.extend([] for _ in forced)
-        if sequence.sampling.sends_probs:
-            draft.probs, draft.probs_top_k = pack(point_mass(draft.token_ids)), 1
+        if sequence.sampling.needs_draft_probs:
+            draft.q_prime = point_mass(draft.token_ids)
 
 
-def cut(draft: Draft, keep: int) -> None:
+def cut(draft: Proposal, keep: int) -> None:
     """Keep the first `keep` draft tokens, with their q' rows and guesses."""
-    if draft.probs:
-        draft.probs = truncate_packed(draft.probs, len(draft.token_ids), draft.probs_top_k, keep)
+    if draft.q_prime is not None:
+        draft.q_prime = draft.q_prime.rows(slice(0, keep))
     del draft.token_ids[keep:]
     del draft.recovered_guesses[keep:]

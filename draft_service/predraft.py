@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from draft_service.drafter import Draft, DraftJob, DraftSequence, Guess, SeqKey
+from draft_service.drafter import Proposal, DraftJob, DraftSequence, Guess, SeqKey
 from draft_service.metrics import DraftMetrics
 
 DECAY = 0.98  # per observation: a rate follows about the last 50
@@ -211,7 +211,7 @@ class Predrafter:
         """The target wants no drafts of this sequence for now: no proposal of it is current, none pending."""
         self._make_current(self._states[sequence.key], None)
 
-    def on_drafted(self, job: DraftJob, draft: Draft | None) -> None:
+    def on_drafted(self, job: DraftJob, draft: Proposal | None) -> None:
         """A fresh proposal was sent: if it still answers the newest tokens, the target verifies it next."""
         state = self._states.get(job.sequence.key)
         if state is None or state.sequence.tokens != job.tokens:
@@ -250,10 +250,10 @@ class Predrafter:
         scored.sort(key=lambda pair: -pair[0])
         return [job for _, job in scored]
 
-    def on_predrafted(self, drafts: list[Draft], now: float, round_s: float) -> list[Draft]:
+    def on_predrafted(self, drafts: list[Proposal], now: float, round_s: float) -> list[Proposal]:
         """The round's pre-drafts that are still worth sending: the target has not committed past their
         known prefix, or it committed exactly their assumed tokens. The others are dropped."""
-        sent: list[Draft] = []
+        sent: list[Proposal] = []
         per_sequence: Counter[SeqKey] = Counter()
         for draft in drafts:
             state = self._states.get(draft.key)

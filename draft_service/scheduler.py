@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.drafter import Draft, Drafter, DraftJob, DraftSequence, Sampling, SeqKey, never
+from draft_service.drafter import Proposal, Drafter, DraftJob, DraftSequence, SeqKey, never, sampling_of
 from draft_service.features import SequenceFeatures
 from draft_service.grammars import DraftGrammars
 from draft_service.metrics import DraftMetrics
 from draft_service.predraft import Predrafter
+from kernels.sampling import Sampling
 from tandem.hidden_states import FeatureError, extend_feature_rows
 from tandem.structured import Constraint, ConstraintError
 from tandem.v1 import drafter_pb2
@@ -173,7 +174,7 @@ class DraftScheduler:
     def _open(self, stream: Stream, msg: drafter_pb2.SequenceOpen) -> None:
         if msg.seq_id in stream.sequences:
             raise InvalidUpdate("duplicate_seq", "the sequence is already open")
-        sampling = Sampling.from_proto(msg.sampling)
+        sampling = sampling_of(msg.sampling)
         try:
             self._check_open(stream, msg, sampling)
             constraint = self._constraint(msg)
@@ -205,7 +206,7 @@ class DraftScheduler:
             raise InvalidUpdate("bad_k", f"k={msg.k} is not in [1, max_k={limits.max_k}]")
         self._check_token_ids(msg.prompt_ids)
         if (problem := sampling.problem()) is not None:
-            raise InvalidUpdate("bad_sampling", problem)
+            raise InvalidUpdate("bad_sampling", f"sampling.{problem.field} {problem.message}")
         if self._num_sequences >= limits.num_slots:
             raise InvalidUpdate("no_free_slot", f"all {limits.num_slots} slots are in use")
         if limits.max_seqs_per_target and len(stream.sequences) >= limits.max_seqs_per_target:
@@ -351,7 +352,7 @@ class DraftScheduler:
             return Round(fresh, predraft=False, settled=settled)
         return Round(self._predrafter.take_jobs(), predraft=True, settled=settled)
 
-    def _round(self, slot_ops: list[SlotOp], work: Round) -> list[Draft]:
+    def _round(self, slot_ops: list[SlotOp], work: Round) -> list[Proposal]:
         """On the drafter's thread: opens and closes in arrival order, then what the target committed, then a draft."""
         for op in slot_ops:
             (self._drafter.open if op.opening else self._drafter.close)(op.key)
@@ -367,7 +368,7 @@ class DraftScheduler:
         constrained = {job.sequence.key: job.sequence for job in jobs if job.sequence.constraint is not None}
         return DraftGrammars.constrain(drafts, constrained) if constrained else drafts
 
-    def _deliver(self, jobs: list[DraftJob], drafts: list[Draft], elapsed: float) -> None:
+    def _deliver(self, jobs: list[DraftJob], drafts: list[Proposal], elapsed: float) -> None:
         """One DraftProposals message per stream, with an answer for every job: its draft, or nothing.
 
         Jobs of sequences closed meanwhile are dropped.
@@ -383,7 +384,7 @@ class DraftScheduler:
                 by_stream.setdefault(key[0], []).append(proposal)
         self._send(by_stream, elapsed)
 
-    def _deliver_predrafts(self, drafts: list[Draft], elapsed: float) -> None:
+    def _deliver_predrafts(self, drafts: list[Proposal], elapsed: float) -> None:
         """The pre-drafts still worth sending, one DraftProposals message per stream."""
         by_stream: dict[int, list[drafter_pb2.DraftProposal]] = {}
         for draft in self._predrafter.on_predrafted(drafts, time.perf_counter(), elapsed):

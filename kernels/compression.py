@@ -54,6 +54,10 @@ class CompressedProbs:
     def k(self) -> int:
         return self.ids.shape[1]
 
+    def rows(self, rows: slice) -> CompressedProbs:
+        """q' for the draft tokens in rows: views, no copy."""
+        return CompressedProbs(self.ids[rows], self.fixed[rows])
+
 
 def no_probs(num_tokens: int) -> CompressedProbs:
     """q' rows with no entries [num_tokens, 0], for drafts sent as ids only (greedy requests)."""
@@ -158,14 +162,6 @@ def pack(compressed: CompressedProbs) -> bytes:
     id_bytes = ids.view(np.uint8).reshape(*ids.shape, 4)[..., :_ID_BYTES]
     fixed = compressed.fixed.cpu().numpy().astype("<u2")
     return id_bytes.tobytes() + fixed.tobytes()
-
-
-def truncate_packed(data: bytes, num_tokens: int, k: int, keep: int) -> bytes:
-    """The wire bytes of the first `keep` of num_tokens rows of packed q' with K = k."""
-    ids, probs = num_tokens * k * _ID_BYTES, num_tokens * k * _PROB_BYTES
-    if len(data) != ids + probs or not 0 <= keep <= num_tokens:
-        raise ValueError(f"cannot keep {keep} of {num_tokens} rows of K={k} from {len(data)} bytes")
-    return data[: keep * k * _ID_BYTES] + data[ids : ids + keep * k * _PROB_BYTES]
 
 
 def unpack(data: bytes, num_tokens: int, k: int, vocab_size: int) -> CompressedProbs:

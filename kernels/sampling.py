@@ -11,8 +11,15 @@ log p_i - log E_i = log p_i + Gumbel). The draw depends on its key alone, whatev
 Ties go to the lowest index everywhere, as torch.argmax does.
 
 p is built with sort-based torch ops on any device (as vLLM does); only the draw is a kernel.
+
+`Sampling` is a sequence's parameters, the one form both services carry from the request to
+these kernels: it says what greedy is, when verification needs the drafter's q', and which values
+are in range.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -27,9 +34,60 @@ BLOCK_V = 4096 if INTERPRETED else 1024
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
-def effective_temperature(temperature: float) -> float:
-    """The temperature sampling uses: 0 (greedy) for one in [0, GREEDY_BELOW_TEMPERATURE); others unchanged."""
-    return 0.0 if 0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature
+MAX_TEMPERATURE = 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingProblem:
+    """A parameter out of range: the field to fix, and why."""
+
+    field: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How one sequence's tokens are drawn; the drafter drafts with the target's own."""
+
+    temperature: float = 0.0  # below GREEDY_BELOW_TEMPERATURE: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0  # non-negative int64, as the draws are keyed
+    drafter_invariant: bool = False  # the drafter draws with the target's shared noise
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def needs_draft_probs(self) -> bool:
+        """Rejection sampling needs q'; greedy and drafter-invariant verification need ids only."""
+        return not self.greedy and not self.drafter_invariant
+
+    def problem(self) -> SamplingProblem | None:
+        """The first parameter processed_probs would refuse, or None."""
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            return SamplingProblem("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if self.top_k < 0:
+            return SamplingProblem("top_k", f"must be >= 0 (0: off), got {self.top_k}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            return SamplingProblem("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            return SamplingProblem("min_p", f"must be in [0, 1], got {self.min_p}")
+        return None
+
+
+def probs_of(logits: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
+    """processed_probs [B, V] for logits [B, V], row b under samplings[b]."""
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    return processed_probs(
+        logits,
+        torch.tensor([s.temperature for s in samplings], **f32),
+        torch.tensor([s.top_k for s in samplings], dtype=torch.int64, device=logits.device),
+        torch.tensor([s.top_p for s in samplings], **f32),
+        torch.tensor([s.min_p for s in samplings], **f32),
+    )
 
 
 def processed_probs(

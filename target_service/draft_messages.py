@@ -10,9 +10,9 @@ def open_message(seq: Sequence, k: int, accepts_assumed: bool) -> drafter_pb2.Se
 
     accepts_assumed: the target keeps pre-drafts (proposals that assume tokens) for it.
     """
-    o = seq.options
-    sampling = drafter_pb2.DraftSampling(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
-                                         min_p=o.min_p, seed=o.seed, drafter_invariant=o.drafter_invariant)
+    o, s = seq.options, seq.options.sampling
+    sampling = drafter_pb2.DraftSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                         min_p=s.min_p, seed=s.seed, drafter_invariant=s.drafter_invariant)
     message = drafter_pb2.SequenceOpen(seq_id=seq.seq_id, prompt_ids=seq.token_ids, sampling=sampling, k=k,
                                        accepts_assumed=accepts_assumed)
     if o.constraint is not None:

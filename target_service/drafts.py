@@ -64,7 +64,7 @@ def validate_proposal(
                         f"[{len(seq.prompt_ids)}, {len(seq.token_ids)}]"
         )
     probs = None
-    if seq.options.needs_draft_probs:
+    if seq.options.sampling.needs_draft_probs:
         if not 1 <= msg.probs_top_k <= probs_top_k:
             raise InvalidProposal("probs", f"probs_top_k {msg.probs_top_k}; the drafter announced at most {probs_top_k}")
         try:
@@ -130,4 +130,4 @@ def match_proposal(proposal: Proposal, token_ids: list[int], limit: int) -> Prop
 
 
 def _rows(probs: CompressedProbs | None, rows: slice) -> CompressedProbs | None:
-    return None if probs is None else CompressedProbs(probs.ids[rows], probs.fixed[rows])
+    return None if probs is None else probs.rows(rows)

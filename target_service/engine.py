@@ -21,7 +21,7 @@ from target_service.draft_plan import DraftPlan
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from target_service.scheduler import Scheduler
-from target_service.sequence import FinishReason, Output, SamplingOptions, Sequence
+from target_service.sequence import FinishReason, Output, RequestOptions, Sequence
 from target_service.speculator import Speculator
 from target_service.model_runner import PrefillItem, ModelRunner, Verified
 from target_service.stops import StopChecker
@@ -49,7 +49,7 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def new_sequence(self, request_id: str, prompt_ids: list[int], options: SamplingOptions,
+    def new_sequence(self, request_id: str, prompt_ids: list[int], options: RequestOptions,
                      grammar: Matcher | None = None) -> Sequence:
         """grammar: the matcher of options.constraint, fresh (RequestGrammars.matcher_for)."""
         seq_id = next(self._ids)
@@ -145,7 +145,7 @@ class Engine:
             await self._publish(plan.seqs, results, outputs, firsts)
 
     async def _prefill(self, admitted: list[Sequence]) -> list[Verified]:
-        items = [PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, options=s.options, grammar=s.grammar)
+        items = [PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling, grammar=s.grammar)
                  for s in admitted]
         started = time.perf_counter()
         results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers)

@@ -22,10 +22,9 @@ from kernels.bitmask import allowed_tokens, apply_forbidden, apply_token_bitmask
 from kernels.compression import CompressedProbs, concat, no_probs
 from kernels.gumbel import verify_invariant
 from kernels.rejection import rejection_sample
-from kernels.sampling import processed_probs, sample
+from kernels.sampling import Sampling, probs_of, sample
 from target_service.drafts import UsableDrafts
 from target_service.metrics import TargetMetrics
-from target_service.sequence import SamplingOptions
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
 from tandem.structured import TokenMasker
@@ -36,7 +35,7 @@ from tandem.structured.grammar import Matcher
 class PrefillItem:
     slot: int
     prompt_ids: list[int]
-    options: SamplingOptions
+    sampling: Sampling
     grammar: Matcher | None = None
 
 
@@ -46,7 +45,7 @@ class VerifyItem:
     length: int  # n, the committed length
     last_token: int
     drafts: UsableDrafts | None
-    options: SamplingOptions
+    sampling: Sampling
     grammar: Matcher | None = None
 
     @property
@@ -91,15 +90,15 @@ class ModelRunner:
         logits, features = self._forward(chunks, capture)  # [B, vocab]
         self._apply_masks(logits, masks)
         tokens = [0] * len(items)
-        greedy = [b for b, i in enumerate(items) if i.options.greedy]
-        sampled = [b for b, i in enumerate(items) if not i.options.greedy]
+        greedy = [b for b, i in enumerate(items) if i.sampling.greedy]
+        sampled = [b for b, i in enumerate(items) if not i.sampling.greedy]
         for b, token in zip(greedy, self._greedy_tokens(logits, greedy, len(items))):
             tokens[b] = token
         if sampled:
-            options = [items[b].options for b in sampled]
-            probs = self._probs(logits[self._long(sampled)], options)
+            samplings = [items[b].sampling for b in sampled]
+            probs = probs_of(logits[self._long(sampled)], samplings)
             positions = self._long([len(items[b].prompt_ids) for b in sampled])
-            for b, token in zip(sampled, sample(probs, self._seeds(options), positions).tolist()):
+            for b, token in zip(sampled, sample(probs, self._seeds(samplings), positions).tolist()):
                 tokens[b] = token
         return [Verified([token], 0, rows) for token, rows in zip(tokens, features)]
 
@@ -118,19 +117,19 @@ class ModelRunner:
         logits, features = self._forward(chunks, capture)  # [sum(k_i + 1), vocab]
         self._apply_masks(logits, masks)
         results: list[Verified | None] = [None] * len(items)
-        greedy = [b for b, i in enumerate(items) if i.options.greedy]
+        greedy = [b for b, i in enumerate(items) if i.sampling.greedy]
         rows = self._rows_of(items, greedy)
         targets = iter(self._greedy_tokens(logits, rows, logits.shape[0]))
         for b in greedy:
             results[b] = verify_greedy(items[b].drafts.tokens if items[b].drafts else (),
                                        [next(targets) for _ in range(items[b].num_drafts + 1)])
-        invariant = [b for b, i in enumerate(items) if not i.options.greedy and i.options.drafter_invariant]
-        standard = [b for b, i in enumerate(items) if not i.options.greedy and not i.options.drafter_invariant]
+        invariant = [b for b, i in enumerate(items) if not i.sampling.greedy and i.sampling.drafter_invariant]
+        standard = [b for b, i in enumerate(items) if i.sampling.needs_draft_probs]
         for group, verify in ((standard, self._rejection), (invariant, self._invariant)):
             if group:
                 group_rows = self._long(self._rows_of(items, group))
-                probs = self._probs(logits[group_rows], [items[b].options for b in group for _ in
-                                                         range(items[b].num_drafts + 1)])
+                probs = probs_of(logits[group_rows], [items[b].sampling for b in group
+                                                      for _ in range(items[b].num_drafts + 1)])
                 for b, verified in zip(group, verify([items[b] for b in group], probs)):
                     results[b] = verified
         if capture:
@@ -192,8 +191,8 @@ class ModelRunner:
             self._draft_tokens(items),
             self._cu_num_drafts(items),
             self._draft_probs(items),
-            torch.tensor([i.options.greedy for i in items], dtype=torch.bool, device=self.device),
-            self._seeds([i.options for i in items]),
+            torch.tensor([i.sampling.greedy for i in items], dtype=torch.bool, device=self.device),
+            self._seeds([i.sampling for i in items]),
             self._long([i.length for i in items]),
         )
         return _unpack(result.tokens, result.num_accepted)
@@ -203,21 +202,10 @@ class ModelRunner:
             probs,
             self._draft_tokens(items),
             self._cu_num_drafts(items),
-            self._seeds([i.options for i in items]),
+            self._seeds([i.sampling for i in items]),
             self._long([i.length for i in items]),
         )
         return _unpack(result.tokens, result.num_accepted)
-
-    def _probs(self, logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
-        """p [rows, vocab]: the target's processed distribution, one-hot for greedy rows."""
-        f32 = dict(dtype=torch.float32, device=self.device)
-        return processed_probs(
-            logits,
-            torch.tensor([o.temperature for o in options], **f32),
-            self._long([o.top_k for o in options]),
-            torch.tensor([o.top_p for o in options], **f32),
-            torch.tensor([o.min_p for o in options], **f32),
-        )
 
     def _draft_tokens(self, items: list[VerifyItem]) -> torch.Tensor:
         return self._long([t for i in items if i.drafts for t in i.drafts.tokens])
@@ -239,8 +227,8 @@ class ModelRunner:
             offset += item.num_drafts + 1
         return [r for b in group for r in range(starts[b], starts[b] + items[b].num_drafts + 1)]
 
-    def _seeds(self, options: list[SamplingOptions]) -> torch.Tensor:
-        return self._long([o.seed for o in options])
+    def _seeds(self, samplings: list[Sampling]) -> torch.Tensor:
+        return self._long([s.seed for s in samplings])
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

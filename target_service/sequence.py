@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import logging
 
+from kernels.sampling import Sampling
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.structured import Constraint
 from tandem.structured.grammar import Matcher
@@ -18,14 +19,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingOptions:
-    """A request's validated sampling parameters, with defaults filled in."""
+class RequestOptions:
+    """A request's validated parameters, with defaults filled in: how to sample, when to stop, how to speculate."""
 
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int
+    sampling: Sampling
     max_tokens: int
     stop: tuple[str, ...]
     stop_token_ids: frozenset[int]
@@ -33,17 +30,7 @@ class SamplingOptions:
     skip_special_tokens: bool
     speculate: bool
     num_speculative_tokens: int
-    drafter_invariant: bool
     constraint: Constraint | None = None  # structured output: the grammar every generated token follows
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def needs_draft_probs(self) -> bool:
-        """Rejection sampling needs q'; greedy and drafter-invariant verification need ids only."""
-        return not self.greedy and not self.drafter_invariant
 
 
 class SequenceStatus(enum.Enum):
@@ -73,7 +60,7 @@ class Sequence:
     seq_id: int
     request_id: str
     prompt_ids: list[int]
-    options: SamplingOptions
+    options: RequestOptions
     arrival: float
     detokenizer: IncrementalDetokenizer
     stops: StopChecker

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence as Seq
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 import torch
@@ -115,7 +115,7 @@ class Speculator:
         plan = await self._wait_for_drafts(plan, budgets, admission)
         return self._take(states, plan, budgets)
 
-    def account(self, plan: DraftPlan, results: Seq[Verified], outputs: Seq[Output | None], seconds: float) -> None:
+    def account(self, plan: DraftPlan, results: list[Verified], outputs: list[Output | None], seconds: float) -> None:
         """The step's verdicts: results[i] is entry i's, outputs[i] what it committed (None if it ended
         before). Usage and metrics count the accepted drafts that were committed, as a stop discards
         the rest; the policy learns from the verifier's verdict, which judges the drafter, not the stop.
@@ -135,7 +135,7 @@ class Speculator:
             for position in range(accepted):
                 m.child(m.accepted_per_pos, position=str(position)).inc()
 
-    async def publish(self, seqs: list[Sequence], results: Seq[Verified], firsts: Seq[int]) -> None:
+    async def publish(self, seqs: list[Sequence], results: list[Verified], firsts: list[int]) -> None:
         """Tell the drafter the tokens these sequences committed, with the features of those
         positions (results[i].features start at position firsts[i]) for a drafter that reads them.
 

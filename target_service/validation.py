@@ -1,16 +1,14 @@
-"""A GenerateRequest, checked field by field: prompt ids and SamplingOptions, or INVALID_ARGUMENT."""
+"""A GenerateRequest, checked field by field: prompt ids and RequestOptions, or INVALID_ARGUMENT."""
 from __future__ import annotations
-
-import math
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from kernels.random import fresh_seed
-from kernels.sampling import effective_temperature
+from kernels.sampling import Sampling
 from target_service.config import TargetConfig
 from target_service.errors import RequestError, invalid
-from target_service.sequence import SamplingOptions
+from target_service.sequence import RequestOptions
 from tandem.structured import Constraint, ConstraintError
 from tandem.tokenizer import Tokenizer, TokenizerError
 from tandem.v1 import generation_pb2
@@ -18,7 +16,6 @@ from tandem.v1 import generation_pb2
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SPECULATIVE_TOKENS = 16
-MAX_TEMPERATURE = 100.0
 _SEED_MASK = (1 << 63) - 1  # seeds travel as uint64; the kernels key on non-negative int64
 UINT64_MASK = 2**64 - 1  # a front door's signed seed (int32, int64) as the uint64 a request carries
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -60,21 +57,13 @@ def _chat_ids(chat: generation_pb2.ChatMessages, tokenizer: Tokenizer) -> list[i
 def sampling_options(
     params: generation_pb2.SamplingParams, prompt_len: int, config: TargetConfig, vocab_size: int,
     input_field: str = "prompt",
-) -> SamplingOptions:
+) -> RequestOptions:
     """input_field: the request's input (prompt, prompt_token_ids or chat), named when it leaves no room."""
     room = config.max_model_len - prompt_len
     if room < 1:
         raise invalid(input_field, f"has {prompt_len} tokens; max_model_len is {config.max_model_len}, "
                                 "which leaves no room to generate")
-    temperature = params.temperature if params.HasField("temperature") else 1.0
-    if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
-        raise invalid("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
-    top_p = params.top_p if params.HasField("top_p") else 1.0
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise invalid("top_p", f"must be in (0, 1], got {top_p}")
-    min_p = params.min_p if params.HasField("min_p") else 0.0
-    if not math.isfinite(min_p) or not 0 <= min_p <= 1:
-        raise invalid("min_p", f"must be in [0, 1], got {min_p}")
+    sampling = _sampling(params, vocab_size)
     max_tokens = params.max_tokens if params.HasField("max_tokens") else room
     if max_tokens < 1:
         raise invalid("max_tokens", "must be at least 1")
@@ -85,13 +74,9 @@ def sampling_options(
     k = params.num_speculative_tokens if params.HasField("num_speculative_tokens") else config.num_speculative_tokens
     if k > MAX_SPECULATIVE_TOKENS:
         raise invalid("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}")
-    return SamplingOptions(
+    return RequestOptions(
+        sampling=sampling,
         constraint=_constraint(params),
-        temperature=effective_temperature(float(temperature)),
-        top_p=float(top_p),
-        top_k=params.top_k if params.top_k < vocab_size else 0,
-        min_p=float(min_p),
-        seed=(params.seed & _SEED_MASK) if params.HasField("seed") else fresh_seed(),
         max_tokens=max_tokens,
         stop=tuple(params.stop),
         stop_token_ids=frozenset(params.stop_token_ids),
@@ -99,8 +84,22 @@ def sampling_options(
         skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
         speculate=params.speculate if params.HasField("speculate") else True,
         num_speculative_tokens=k,
+    )
+
+
+def _sampling(params: generation_pb2.SamplingParams, vocab_size: int) -> Sampling:
+    """Unset fields take vLLM's defaults; a top_k past the vocabulary is off; no seed draws a fresh one."""
+    sampling = Sampling(
+        temperature=params.temperature if params.HasField("temperature") else 1.0,
+        top_k=params.top_k if params.top_k < vocab_size else 0,
+        top_p=params.top_p if params.HasField("top_p") else 1.0,
+        min_p=params.min_p if params.HasField("min_p") else 0.0,
+        seed=(params.seed & _SEED_MASK) if params.HasField("seed") else fresh_seed(),
         drafter_invariant=params.drafter_invariant,
     )
+    if (problem := sampling.problem()) is not None:
+        raise invalid(problem.field, problem.message)
+    return sampling
 
 
 def _constraint(params: generation_pb2.SamplingParams) -> Constraint | None:
@@ -127,7 +126,7 @@ def validate_request(
     config: TargetConfig,
     model_name: str,
     vocab_size: int,
-) -> tuple[list[int], SamplingOptions]:
+) -> tuple[list[int], RequestOptions]:
     if request.model and request.model != model_name:
         raise invalid("model", f"{request.model!r} is not served here; this server serves {model_name!r}")
     ids = prompt_ids_of(request, tokenizer, vocab_size)

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.drafter import Draft, DraftJob, Guess, Sampling, SeqKey, make_draft, never
+from draft_service.drafter import Proposal, DraftJob, Guess, SeqKey, make_proposal, never
 from draft_service.drafters.kv_slots import SlotState, SlotTable, common_prefix_len
 from draft_service.metrics import DraftMetrics
 from kernels.bitmask import allowed_tokens
 from kernels.compression import CompressedProbs, encode, point_mass, sample_compressed
-from kernels.sampling import processed_probs, sample
+from kernels.sampling import Sampling, probs_of, sample
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
 from tandem.structured import TokenMasker
@@ -78,11 +78,11 @@ def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list
     tokens = top_tokens(logits, draft_vocab)  # [B]
     compressed: list[CompressedProbs | None] = [None] * len(samplings)
     device = logits.device
-    invariant = [b for b, s in enumerate(samplings) if not s.greedy and s.invariant]
-    rejection = [b for b, s in enumerate(samplings) if s.sends_probs]
+    invariant = [b for b, s in enumerate(samplings) if not s.greedy and s.drafter_invariant]
+    rejection = [b for b, s in enumerate(samplings) if s.needs_draft_probs]
     if invariant or rejection:
         rows = invariant + rejection
-        q = processed_probs(logits[rows], *_sampling_tensors([samplings[b] for b in rows], device))  # [S, N]
+        q = probs_of(logits[rows], [samplings[b] for b in rows])  # [S, N]
         if draft_vocab is not None:
             q = _scatter_to_vocabulary(q, draft_vocab)  # [S, V]
         seeds = torch.tensor([samplings[b].seed for b in rows], dtype=torch.int64, device=device)  # [S]
@@ -133,16 +133,6 @@ def _scatter_to_vocabulary(q: torch.Tensor, draft_vocab: DraftVocab) -> torch.Te
     return full
 
 
-def _sampling_tensors(samplings: list[Sampling], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """temperature, top_k, top_p, min_p [S] as processed_probs takes them."""
-    return (
-        torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device),
-        torch.tensor([s.top_k for s in samplings], dtype=torch.int64, device=device),
-        torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device),
-        torch.tensor([s.min_p for s in samplings], dtype=torch.float32, device=device),
-    )
-
-
 @dataclass(slots=True)
 class Row:
     """One job of a round: the slot it writes into, and what it has drafted so far."""
@@ -179,9 +169,9 @@ class Row:
         if self.grammar is not None and (not self.grammar.consume_token(token) or self.grammar.is_stopped()):
             self.blocked = True
 
-    def draft(self) -> Draft:
+    def draft(self) -> Proposal:
         q_prime = stack_rows(self.q_rows) if self.q_rows else None
-        return make_draft(self.job, self.token_ids, q_prime, self.recovered_guesses, self.guessed_next)
+        return make_proposal(self.job, self.token_ids, q_prime, self.recovered_guesses, self.guessed_next)
 
 
 class ModelDrafter:
@@ -217,7 +207,7 @@ class ModelDrafter:
         return min(job.sequence.k, self.model.max_len + 1 - job.base_len)
 
     @torch.inference_mode()
-    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Draft]:
+    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Proposal]:
         rows = self._rows(jobs)
         if not rows:
             return []
@@ -286,7 +276,7 @@ class ModelDrafter:
                 row.guessed_next = forced[0]
             else:
                 row.token_ids.append(forced[0])
-                if row.job.sequence.sampling.sends_probs:
+                if row.job.sequence.sampling.needs_draft_probs:
                     row.q_rows.append(point_mass([forced[0]], self.probs_top_k))
                 row.recovered_guesses.append([])
             taken.add(i)

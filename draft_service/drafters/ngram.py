@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from draft_service.drafter import Draft, DraftJob, SeqKey, make_draft, never
+from draft_service.drafter import Proposal, DraftJob, SeqKey, make_proposal, never
 from kernels.compression import point_mass
 
 
@@ -59,7 +59,7 @@ class NgramDrafter:
     def settle(self, key: SeqKey, committed: list[int]) -> None:
         pass
 
-    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Draft]:
+    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Proposal]:
         """Lookups are instant: `stop` is never needed."""
         drafts = []
         for job in jobs:
@@ -73,8 +73,8 @@ class NgramDrafter:
             if job.is_predraft and not token_ids:
                 continue  # "nothing" answers a prefix the target has sent, never an assumed one
             # An empty proposal tells the target there is nothing for this prefix, so it need not wait.
-            q_prime = point_mass(token_ids) if token_ids and job.sequence.sampling.sends_probs else None
-            drafts.append(make_draft(job, token_ids, q_prime, guessed_next=guess[0] if guess else None))
+            q_prime = point_mass(token_ids) if token_ids and job.sequence.sampling.needs_draft_probs else None
+            drafts.append(make_proposal(job, token_ids, q_prime, guessed_next=guess[0] if guess else None))
         return drafts
 
 

@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from draft_service.drafter import DraftJob, DraftSequence, Sampling
+from draft_service.drafter import DraftJob, DraftSequence
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter, lookup
 from draft_service.server import model_vocab_size
 from kernels.compression import ONE, encode, sample_compressed, unpack
-from kernels.sampling import processed_probs, sample
+from kernels.sampling import Sampling, processed_probs, sample
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk
 from tandem.runtime import load_tokenizer
@@ -84,7 +84,7 @@ def test_batched_sequences_equal_each_alone(drafter, reference):
     for draft, sequence, prompt in zip(drafts, sequences, prompts):
         assert draft.key == sequence.key
         assert draft.token_ids == greedy_generate(reference, prompt, sequence.k)
-        assert draft.probs == b""
+        assert draft.to_proto().probs == b""
 
 
 def test_drafts_stop_at_max_model_len(drafter, reference):
@@ -123,8 +123,8 @@ SAMPLED = Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=1234)
 def test_rejection_mode_draws_from_the_q_prime_it_sends(drafter, reference):
     prompt = _prompt(10, 6)
     draft = _draft_one(drafter, _open(drafter, 1, prompt, k=5, sampling=SAMPLED))
-    assert draft.probs_top_k == TOP_K
-    sent = unpack(draft.probs, 5, TOP_K, VOCAB)
+    assert draft.to_proto().probs_top_k == TOP_K
+    sent = unpack(draft.to_proto().probs, 5, TOP_K, VOCAB)
     logits = _logits_along(reference, prompt, draft.token_ids)
     params = (torch.full((5,), SAMPLED.temperature), torch.full((5,), SAMPLED.top_k),
               torch.full((5,), SAMPLED.top_p), torch.zeros(5))
@@ -135,10 +135,10 @@ def test_rejection_mode_draws_from_the_q_prime_it_sends(drafter, reference):
 
 
 def test_invariant_mode_draws_with_the_targets_noise(drafter, reference):
-    sampling = Sampling(temperature=1.0, seed=99, invariant=True)
+    sampling = Sampling(temperature=1.0, seed=99, drafter_invariant=True)
     prompt = _prompt(10, 7)
     draft = _draft_one(drafter, _open(drafter, 1, prompt, k=4, sampling=sampling))
-    assert draft.probs == b"" and draft.probs_top_k == 0
+    assert draft.to_proto().probs == b"" and draft.to_proto().probs_top_k == 0
     logits = _logits_along(reference, prompt, draft.token_ids)
     q = processed_probs(logits, torch.ones(4), torch.zeros(4, dtype=torch.int64), torch.ones(4), torch.zeros(4))
     positions = torch.arange(len(prompt), len(prompt) + 4)
@@ -148,7 +148,7 @@ def test_invariant_mode_draws_with_the_targets_noise(drafter, reference):
 def test_mixed_modes_in_one_batch(drafter):
     """Greedy, rejection and invariant rows drafted together each match their own mode alone."""
     prompt = _prompt(8, 8)
-    modes = [Sampling(), SAMPLED, Sampling(temperature=1.0, seed=5, invariant=True)]
+    modes = [Sampling(), SAMPLED, Sampling(temperature=1.0, seed=5, drafter_invariant=True)]
     sequences = [_open(drafter, i, prompt, sampling=mode) for i, mode in enumerate(modes)]
     together = drafter.draft([DraftJob(s, list(prompt)) for s in sequences])
     for i, mode in enumerate(modes):
@@ -173,13 +173,13 @@ def test_a_reduced_head_drafts_only_its_vocabulary_in_every_mode():
     assert greedy.token_ids == expected
 
     sampled = _draft_one(drafter, _open(drafter, 2, prompt, k=4, sampling=SAMPLED))
-    sent = unpack(sampled.probs, 4, TOP_K, VOCAB)
+    sent = unpack(sampled.to_proto().probs, 4, TOP_K, VOCAB)
     assert set(sampled.token_ids) <= set(head_ids.tolist())
     assert not bool(outside[sent.ids.long()][sent.fixed.int() > 0].any())
     positions = torch.arange(len(prompt), len(prompt) + 4)
     assert sample_compressed(sent, torch.full((4,), SAMPLED.seed), positions).tolist() == sampled.token_ids
 
-    sampling = Sampling(temperature=1.0, seed=99, invariant=True)
+    sampling = Sampling(temperature=1.0, seed=99, drafter_invariant=True)
     invariant = _draft_one(drafter, _open(drafter, 3, prompt, k=4, sampling=sampling))
     assert set(invariant.token_ids) <= set(head_ids.tolist())
 
@@ -206,10 +206,10 @@ def test_ngram_drafter_sends_a_point_mass_only_when_sampling():
     drafts = drafter.draft([DraftJob(s, list(s.tokens)) for s in (greedy, sampled, nothing)])
     assert [d.key for d in drafts] == [greedy.key, sampled.key, nothing.key]
     assert drafts[0].token_ids == drafts[1].token_ids == [12, 13, 14]
-    assert drafts[2].token_ids == [] and drafts[2].probs == b"", "a miss is answered with an empty proposal"
-    assert drafts[0].probs == b""
-    q_prime = unpack(drafts[1].probs, 3, 1, VOCAB)
-    assert drafts[1].probs_top_k == 1
+    assert drafts[2].token_ids == [] and drafts[2].to_proto().probs == b"", "a miss is answered with an empty proposal"
+    assert drafts[0].to_proto().probs == b""
+    q_prime = unpack(drafts[1].to_proto().probs, 3, 1, VOCAB)
+    assert drafts[1].to_proto().probs_top_k == 1
     assert q_prime.ids[:, 0].tolist() == [12, 13, 14] and q_prime.fixed[:, 0].tolist() == [ONE] * 3
 
 

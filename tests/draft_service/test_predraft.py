@@ -12,7 +12,8 @@ from contextlib import asynccontextmanager
 import pytest
 import torch
 
-from draft_service.drafter import Draft, DraftJob, DraftSequence, Guess, Sampling, never
+from draft_service.drafter import Proposal, DraftJob, DraftSequence, Guess, never
+from kernels.sampling import Sampling
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter, lookup
@@ -28,7 +29,7 @@ TOP_K = 8
 K = 3
 LABELS = {"model": "tiny", "service": "draft"}
 SAMPLED = Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=1234)
-MODES = {"greedy": Sampling(), "sampled": SAMPLED, "invariant": Sampling(temperature=1.0, seed=99, invariant=True)}
+MODES = {"greedy": Sampling(), "sampled": SAMPLED, "invariant": Sampling(temperature=1.0, seed=99, drafter_invariant=True)}
 WAIT_S = 10
 
 
@@ -51,12 +52,12 @@ def _certain(tokens: list[int]) -> list[list[Guess]]:
     return [[Guess(token, 1.0)] for token in tokens]
 
 
-def _fresh(drafter, sequence: DraftSequence, tokens: list[int]) -> Draft:
+def _fresh(drafter, sequence: DraftSequence, tokens: list[int]) -> Proposal:
     [draft] = drafter.draft([DraftJob(sequence, list(tokens))])
     return draft
 
 
-def _all_outcomes(sequence: DraftSequence, fresh: Draft) -> list[DraftJob]:
+def _all_outcomes(sequence: DraftSequence, fresh: Proposal) -> list[DraftJob]:
     """A pre-draft job for every outcome of `fresh`: j drafts accepted, then the recovered token the drafter
     guessed (j < k); all k accepted, then a bonus token the drafter guesses as it drafts."""
     prefix, drafts = list(sequence.tokens), fresh.token_ids
@@ -84,7 +85,7 @@ def test_assumed_ids_round_trip_and_proposals_without_them_parse_as_before():
     plain = pb.DraftProposal.FromString(pb.DraftProposal(seq_id=3, base_len=10, token_ids=[7]).SerializeToString())
     assert list(plain.assumed_ids) == []
     assert pb.SequenceOpen.FromString(pb.SequenceOpen(seq_id=1, k=2).SerializeToString()).accepts_assumed is False
-    draft = Draft((1, 3), base_len=12, token_ids=[7, 8], assumed_ids=[5, 6], recovered_guesses=_certain([9, 9]))
+    draft = Proposal((1, 3), base_len=12, token_ids=[7, 8], assumed_ids=[5, 6], recovered_guesses=_certain([9, 9]))
     assert draft.to_proto() == proposal  # the recovered guesses stay with the drafter
 
 
@@ -115,9 +116,9 @@ def test_each_outcome_is_predrafted_as_a_fresh_round_from_its_prefix_would_draft
         if len(predraft.assumed_ids) > K:  # "all accepted": d_k is fed on its own, as the pre-draft feeds it
             _fresh(alone, again, prompt + drafts)
         reference = _fresh(alone, again, prompt + predraft.assumed_ids)
-        assert (predraft.token_ids, predraft.probs) == (reference.token_ids, reference.probs)
+        assert (predraft.token_ids, predraft.to_proto().probs) == (reference.token_ids, reference.to_proto().probs)
         if mode == "sampled":  # drawn from the q' it sends, keyed by the seed and the positions it guesses
-            q_prime = unpack(predraft.probs, K, TOP_K, VOCAB)
+            q_prime = unpack(predraft.to_proto().probs, K, TOP_K, VOCAB)
             positions = torch.arange(predraft.base_len, predraft.base_len + K)
             assert sample_compressed(q_prime, torch.full((K,), SAMPLED.seed), positions).tolist() == predraft.token_ids
 
@@ -249,7 +250,7 @@ def _predrafter_with_a_proposal(drafts: list[int], guesses: list[int], max_fanou
     sequence = DraftSequence((1, 1), [1, 2, 3], Sampling(), len(drafts), accepts_assumed=True)
     predrafter.open(sequence)
     job = DraftJob(sequence, list(sequence.tokens))
-    predrafter.on_drafted(job, Draft(sequence.key, 3, drafts, recovered_guesses=_certain(guesses)))
+    predrafter.on_drafted(job, Proposal(sequence.key, 3, drafts, recovered_guesses=_certain(guesses)))
     return predrafter, sequence, metrics
 
 
@@ -277,9 +278,9 @@ def test_spare_time_after_a_predraft_round_grows_the_fanout(extend_after_s, limi
     predrafter.covers(sequence)
     predrafter.fanout.on_late()  # 2 -> 1
     predrafter.on_drafted(DraftJob(sequence, list(sequence.tokens)),
-                          Draft(sequence.key, 4, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
+                          Proposal(sequence.key, 4, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
     [job] = predrafter.take_jobs()
-    sent = predrafter.on_predrafted([Draft(sequence.key, 5, [1, 2, 3], assumed_ids=job.tokens[4:])],
+    sent = predrafter.on_predrafted([Proposal(sequence.key, 5, [1, 2, 3], assumed_ids=job.tokens[4:])],
                                     now=1.0, round_s=0.01)
     assert len(sent) == 1
     _extend(predrafter, sequence, [7, 8, 9, 41], now=1.0 + extend_after_s)  # a round of 10 ms: one more fits?
@@ -298,11 +299,11 @@ def test_outcomes_are_ordered_by_expected_gain_from_the_measured_acceptance():
         _extend(predrafter, sequence, [7, 8, 9, 5], now=1.0)
         sequence.tokens = proposal_tokens  # the same prefix again, so the same proposal is the current one
         predrafter.on_drafted(DraftJob(sequence, list(sequence.tokens)),
-                              Draft(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
+                              Proposal(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
         predrafter.take_jobs()
     assert predrafter.model.acceptance.value > 0.9
     predrafter.on_drafted(DraftJob(sequence, list(sequence.tokens)),
-                          Draft(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
+                          Proposal(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
     first = predrafter.take_jobs()[0]
     assert (first.tokens[3:], first.guess_next) == ([7, 8, 9], True)  # all accepted is now the likeliest
 

@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from draft_service.drafter import DraftJob, DraftSequence, Sampling
+from draft_service.drafter import DraftJob, DraftSequence
+from kernels.sampling import Sampling
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.suffix import SuffixDrafter, SuffixFrontDrafter
@@ -91,7 +92,7 @@ def test_a_repeated_passage_is_drafted_as_far_as_it_goes():
     tokens = [1, 2] + passage + [3] + passage[:3]
     draft = _draft(SuffixDrafter(UNBOUNDED), tokens)
     assert draft.token_ids == passage[3:7] and draft.base_len == len(tokens)
-    assert draft.probs == b"" and draft.assumed_ids == []  # greedy: ids only
+    assert draft.to_proto().probs == b"" and draft.assumed_ids == []  # greedy: ids only
 
 
 def test_frequencies_decide_the_draft_and_where_it_stops():
@@ -163,8 +164,8 @@ def test_pre_draft_jobs_assume_tokens_without_indexing_them():
 
 def test_sampled_sequences_get_a_point_mass():
     draft = _draft(SuffixDrafter(UNBOUNDED), [1, 2, 3, 1, 2], sampling=Sampling(temperature=0.8, seed=3))
-    assert draft.token_ids == [3, 1, 2] and draft.probs_top_k == 1 and len(draft.probs) > 0
-    rows = unpack(draft.probs, 3, 1, 1000)
+    assert draft.token_ids == [3, 1, 2] and draft.to_proto().probs_top_k == 1 and len(draft.to_proto().probs) > 0
+    rows = unpack(draft.to_proto().probs, 3, 1, 1000)
     assert rows.ids[:, 0].tolist() == [3, 1, 2] and (rows.fixed == ONE).all()
 
 

@@ -9,6 +9,7 @@ import torch
 from scipy import stats
 
 from kernels import KernelInputError, processed_probs, sample
+from kernels.sampling import MAX_TEMPERATURE, Sampling, probs_of
 
 ALPHA = 1e-3
 
@@ -107,6 +108,30 @@ def test_a_row_without_filters_is_bit_identical_beside_a_filtered_one(name, valu
 def test_bad_parameters_name_the_field(params, field):
     with pytest.raises(KernelInputError, match=field):
         processed_probs(LOGITS, **_params(1, **params))
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"temperature": -0.1}, "temperature"), ({"temperature": math.nan}, "temperature"),
+    ({"temperature": MAX_TEMPERATURE * 2}, "temperature"), ({"top_k": -1}, "top_k"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"min_p": 2.0}, "min_p"),
+])
+def test_a_sampling_out_of_range_names_its_field(params, field):
+    """The one range check both services run; processed_probs would refuse the same values."""
+    assert Sampling(**params).problem().field == field
+    assert Sampling(temperature=1.0, top_k=5, top_p=0.5, min_p=0.1).problem() is None
+
+
+@pytest.mark.parametrize("sampling, greedy, needs_draft_probs", [
+    (Sampling(), True, False),
+    (Sampling(temperature=9e-6), True, False),
+    (Sampling(temperature=0.7), False, True),
+    (Sampling(temperature=0.7, drafter_invariant=True), False, False),
+    (Sampling(temperature=0.0, drafter_invariant=True), True, False),
+])
+def test_greedy_and_needs_draft_probs(sampling, greedy, needs_draft_probs):
+    assert sampling.greedy is greedy and sampling.needs_draft_probs is needs_draft_probs
+    one_hot = probs_of(LOGITS[:1], [sampling])[0]
+    assert bool(one_hot.max() == 1.0) is greedy  # the kernels agree on what greedy is
 
 
 def test_wrong_dtype_or_shape_is_a_clear_error():

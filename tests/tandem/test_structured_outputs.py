@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from bench.prompt_set import load_json_prompts
-from draft_service.drafter import DraftJob, DraftSequence, Sampling, make_draft
-from draft_service.grammars import DraftGrammars, SequenceGrammar
+from draft_service.drafter import Proposal, DraftJob, DraftSequence, make_proposal
+from kernels.sampling import Sampling
+from draft_service.grammars import DraftGrammars, SequenceGrammar, cut
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from kernels.bitmask import allowed_tokens
-from kernels.compression import encode, pack, truncate_packed, unpack
-from target_service.sequence import SamplingOptions, Sequence
+from kernels.compression import encode, unpack
+from target_service.sequence import RequestOptions, Sequence
 from target_service.stops import StopChecker
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.runtime import load_model, load_tokenizer
@@ -164,9 +165,8 @@ def test_rows_after_a_forbidden_draft_allow_everything(compiler, tokenizer):
 # ---- the target's sequence ----------------------------------------------------------------------
 
 def _sequence(tokenizer, matcher, ignore_eos: bool = False) -> Sequence:
-    options = SamplingOptions(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, max_tokens=50, stop=(),
-                              stop_token_ids=frozenset(), ignore_eos=ignore_eos, skip_special_tokens=True,
-                              speculate=True, num_speculative_tokens=4, drafter_invariant=False)
+    options = RequestOptions(sampling=Sampling(), max_tokens=50, stop=(), stop_token_ids=frozenset(),
+                             ignore_eos=ignore_eos, skip_special_tokens=True, speculate=True, num_speculative_tokens=4)
     eos = frozenset() if ignore_eos else tokenizer.eos_token_ids
     return Sequence(seq_id=1, request_id="r", prompt_ids=[1, 2], options=options, arrival=0.0,
                     detokenizer=IncrementalDetokenizer(tokenizer, skip_special_tokens=True, context_ids=[1, 2]),
@@ -191,11 +191,15 @@ def test_a_grammar_that_may_go_on_does_not_end_the_sequence(compiler, tokenizer)
 
 # ---- the drafter ----------------------------------------------------------------------------
 
-def test_truncating_packed_q_prime_keeps_the_first_rows():
+def test_a_cut_draft_sends_the_first_rows_of_its_q_prime():
     q = torch.softmax(torch.randn(5, 300, generator=torch.Generator().manual_seed(1)), dim=1)
     compressed = encode(q, 8)
-    cut = unpack(truncate_packed(pack(compressed), 5, 8, 2), 2, 8, 300)
-    assert torch.equal(cut.ids, compressed.ids[:2].int()) and torch.equal(cut.fixed, compressed.fixed[:2])
+    draft = Proposal((1, 1), 3, [int(t) for t in compressed.ids[:, 0]], compressed, recovered_guesses=[[]] * 5)
+    cut(draft, 2)
+    message = draft.to_proto()
+    assert len(message.token_ids) == 2 and message.probs_top_k == 8
+    sent = unpack(message.probs, 2, 8, 300)
+    assert torch.equal(sent.ids, compressed.ids[:2].int()) and torch.equal(sent.fixed, compressed.fixed[:2])
 
 
 def _constrained(compiler, key, tokens, constraint, sampling=Sampling()) -> DraftSequence:
@@ -212,10 +216,10 @@ def test_lookup_drafts_are_cut_at_the_first_forbidden_token(compiler, tokenizer)
     job = DraftJob(sequence, list(prompt))
     q = torch.zeros(len(digits) + len(letters), VOCAB)
     q[torch.arange(q.shape[0]), torch.tensor(digits + letters)] = 1.0
-    draft = make_draft(job, digits + letters, encode(q, 4))
+    draft = make_proposal(job, digits + letters, encode(q, 4))
     [kept] = DraftGrammars.constrain([draft], {sequence.key: sequence})
     assert kept.token_ids == digits
-    assert unpack(kept.probs, len(digits), 4, VOCAB).ids[:, 0].tolist() == digits
+    assert unpack(kept.to_proto().probs, len(digits), 4, VOCAB).ids[:, 0].tolist() == digits
 
 
 def test_a_constrained_pre_draft_that_assumes_a_forbidden_token_is_dropped(compiler, tokenizer):
@@ -223,7 +227,7 @@ def test_a_constrained_pre_draft_that_assumes_a_forbidden_token_is_dropped(compi
     sequence = _constrained(compiler, (1, 2), prompt, Constraint("regex", "[0-9]+"))
     letter = tokenizer.encode("x", add_special_tokens=False)
     digit = tokenizer.encode("5", add_special_tokens=False)
-    predraft = make_draft(DraftJob(sequence, prompt + letter, num_assumed=1), digit, None)
+    predraft = make_proposal(DraftJob(sequence, prompt + letter, num_assumed=1), digit, None)
     assert DraftGrammars.constrain([predraft], {sequence.key: sequence}) == []
 
 
@@ -259,8 +263,9 @@ def test_the_model_drafter_drafts_only_what_the_grammar_allows(model_drafter, co
         assert matcher.validate_tokens(by_key[free.key].token_ids) == 0, "the unconstrained draft breaks the schema"
         assert len(by_key[constrained.key].token_ids) == 6
         assert matcher.validate_tokens(by_key[constrained.key].token_ids) == 6
-        if sampling.sends_probs:  # q' puts no mass where the grammar forbids
-            sent = unpack(by_key[constrained.key].probs, 6, by_key[constrained.key].probs_top_k, VOCAB)
+        if sampling.needs_draft_probs:  # q' puts no mass where the grammar forbids
+            message = by_key[constrained.key].to_proto()
+            sent = unpack(message.probs, 6, message.probs_top_k, VOCAB)
             walker = compiler.compile(constrained.constraint).matcher()
             for row, token in enumerate(by_key[constrained.key].token_ids):
                 assert set(sent.ids[row][sent.fixed[row].int() > 0].tolist()) <= _allowed(compiler, walker)
@@ -344,16 +349,16 @@ def test_lookup_drafts_are_extended_with_the_tokens_the_grammar_forces(compiler,
     sequence = _constrained(compiler, (5, 1), prompt, Constraint("json", json.dumps(PERSON), compact=True),
                             sampling)
     sequence.k = 8
-    [draft] = DraftGrammars.constrain([make_draft(DraftJob(sequence, list(prompt)), [], None)],
+    [draft] = DraftGrammars.constrain([make_proposal(DraftJob(sequence, list(prompt)), [], None)],
                                       {sequence.key: sequence})
     text = tokenizer.decode(draft.token_ids)
     assert text.startswith('{"name') and '{"name":"'.startswith(text)
     assert len(draft.recovered_guesses) == len(draft.token_ids)
-    if sampling.sends_probs:
-        sent = unpack(draft.probs, len(draft.token_ids), 1, VOCAB)
-        assert draft.probs_top_k == 1 and sent.ids[:, 0].tolist() == draft.token_ids
+    if sampling.needs_draft_probs:
+        sent = unpack(draft.to_proto().probs, len(draft.token_ids), 1, VOCAB)
+        assert draft.to_proto().probs_top_k == 1 and sent.ids[:, 0].tolist() == draft.token_ids
     else:
-        assert draft.probs == b""
+        assert draft.to_proto().probs == b""
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0, seed=9)])
@@ -371,8 +376,8 @@ def test_the_model_drafter_drafts_forced_text_in_the_grammars_tokens(model_draft
     finally:
         model_drafter.close(sequence.key)
     assert draft.token_ids == forced
-    if sampling.sends_probs:
-        sent = unpack(draft.probs, len(forced), draft.probs_top_k, VOCAB)
+    if sampling.needs_draft_probs:
+        sent = unpack(draft.to_proto().probs, len(forced), draft.to_proto().probs_top_k, VOCAB)
         assert sent.ids[:, 0].tolist() == forced and sent.fixed[:, 0].int().tolist() == [1 << 15] * len(forced)
 
 

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from kernels.compression import encode, pack
+from kernels.sampling import Sampling
 from target_service.config import TargetConfig
 from target_service.engine import Engine
 from target_service.metrics import TargetMetrics
 from target_service.scheduler import Scheduler
 from target_service.speculation import speculation_policy
 from target_service.speculator import Speculator
-from target_service.sequence import FinishReason, Output, SamplingOptions, Sequence
+from target_service.sequence import FinishReason, Output, RequestOptions, Sequence
 from target_service.model_runner import PrefillItem, Verified, VerifyItem
 from tandem.v1 import drafter_pb2
 
@@ -118,12 +119,12 @@ class Harness:
     link: FakeLink
     events: list
 
-    def submit(self, prompt: tuple[int, ...] = PROMPT, **overrides) -> Sequence:
-        options = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=1, max_tokens=12, stop=(),
-                       stop_token_ids=frozenset(), ignore_eos=False, skip_special_tokens=True, speculate=True,
-                       num_speculative_tokens=MAX_K, drafter_invariant=False)
+    def submit(self, prompt: tuple[int, ...] = PROMPT, temperature: float = 0.0, **overrides) -> Sequence:
+        options = dict(max_tokens=12, stop=(), stop_token_ids=frozenset(), ignore_eos=False, skip_special_tokens=True,
+                       speculate=True, num_speculative_tokens=MAX_K)
         options.update(overrides)
-        seq = self.engine.new_sequence("", list(prompt), SamplingOptions(**options))
+        sampling = Sampling(temperature=temperature, seed=1)
+        seq = self.engine.new_sequence("", list(prompt), RequestOptions(sampling=sampling, **options))
         self.engine.submit(seq)
         return seq
 

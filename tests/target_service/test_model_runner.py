@@ -6,8 +6,8 @@ import torch
 
 from kernels.compression import encode, no_probs
 from kernels.rejection import rejection_sample_reference
+from kernels.sampling import Sampling
 from target_service.drafts import UsableDrafts
-from target_service.sequence import SamplingOptions
 from target_service.model_runner import PrefillItem, ModelRunner, VerifyItem, verify_greedy
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk
@@ -15,10 +15,8 @@ from tandem.model.llama import build_model
 from tandem.model.random_weights import SHAPES, random_weights
 
 
-def _options(temperature: float, seed: int = 7) -> SamplingOptions:
-    return SamplingOptions(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, seed=seed, max_tokens=64,
-                           stop=(), stop_token_ids=frozenset(), ignore_eos=False, skip_special_tokens=True,
-                           speculate=True, num_speculative_tokens=4, drafter_invariant=False)
+def _options(temperature: float, seed: int = 7) -> Sampling:
+    return Sampling(temperature=temperature, seed=seed)
 
 
 @pytest.mark.parametrize("drafts, targets, tokens, accepted", [
