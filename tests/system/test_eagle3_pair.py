@@ -7,12 +7,12 @@ import time
 
 import pytest
 
+from tests.support.pairs import TWO_THREADS, restart_drafter, start_pair
 from tests.support.service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape
 from tandem.hidden_states import FeatureLayout
 from tandem.loaders import load_checkpoint
 from tandem.model.eagle3 import default_feature_layers
 from tandem.registry import resolve_model_path
-from test_service_pair import TWO_THREADS, _pair, _restart_drafter
 from tests.support.tiny_eagle3 import write_eagle3_head
 
 MAX_TOKENS = 24
@@ -30,7 +30,8 @@ def eagle_head(tmp_path_factory) -> tuple[list[str], FeatureLayout]:
 @pytest.fixture(scope="module")
 def eagle_pair(tmp_path_factory, eagle_head):
     draft_args, layout = eagle_head
-    draft, target = _pair(tmp_path_factory, "eagle3", [*draft_args, *TWO_THREADS], ["--sync-speculation", *TWO_THREADS])
+    draft, target = start_pair(tmp_path_factory, "eagle3", [*draft_args, *TWO_THREADS],
+                               ["--sync-speculation", *TWO_THREADS])
     yield draft, target, layout
     target.kill()
     draft.kill()
@@ -80,6 +81,7 @@ def test_the_acceptance_bench_replays_features_the_drafter_takes(eagle_pair):
     assert metric(after, "tandem_draft_tokens_total") > metric(before, "tandem_draft_tokens_total")
 
 
+@pytest.mark.slow  # a long run; the reopen itself is also checked by the constrained restart and the engine tests
 def test_a_restarted_head_drafts_the_running_sequences_from_the_features_sent_after_it(tmp_path_factory, eagle_head,
                                                                                       eagle_pair):
     """The drafter dies mid-generation and comes back. The target reopens the running sequences; the
@@ -91,15 +93,15 @@ def test_a_restarted_head_drafts_the_running_sequences_from_the_features_sent_af
     draft_args, layout = eagle_head
     alone = run_requests(eagle_pair[1].address, [greedy_request(p, 150, ignore_eos=True, speculate=False)
                                                  for p in PROMPTS[:2]])
-    draft, target = _pair(tmp_path_factory, "eagle3-restart", draft_args,
-                          ["--sync-speculation", "--min-step-ms", "80", "--reconnect-max-seconds", "0.3"])
+    draft, target = start_pair(tmp_path_factory, "eagle3-restart", draft_args,
+                               ["--sync-speculation", "--min-step-ms", "80", "--reconnect-max-seconds", "0.3"])
     requests = [greedy_request(p, 150, ignore_eos=True) for p in PROMPTS[:2]]
     try:
         results = []
         worker = threading.Thread(target=lambda: results.extend(run_requests(target.address, requests)))
         worker.start()
         time.sleep(1.0)
-        draft = _restart_drafter(draft, target)
+        draft = restart_drafter(draft, target)
         before = scrape(target.metrics_url)
         worker.join(300)
         after, drafter = scrape(target.metrics_url), scrape(draft.metrics_url)

@@ -18,6 +18,7 @@ COMMON = ["--threads", "1", "--max-model-len", "512"]
 # verify step of SmolLM2 costs several decode steps. PROMPTS[4] asks for a repeat: n-gram matches.
 SPECULATING = [*COMMON, "--max-num-seqs", "4", "--min-step-ms", "150"]
 SPECULATED_PROMPTS = PROMPTS[1:5]
+FAILOVER_TOKENS = 32  # 4.8 s at 150 ms a step: the drafter dies 0.5 s in, mid-generation
 
 
 @pytest.mark.parametrize("spec, endpoints, dns", [
@@ -68,7 +69,10 @@ def two_drafters(tmp_path):
         draft.kill()
 
 
-def test_a_target_fails_over_to_its_other_drafter_and_clients_see_nothing(two_drafters, tmp_path):
+def test_a_target_fails_over_to_its_other_drafter_and_clients_see_nothing(two_drafters, tmp_path, front_doors):
+    """The output alone comes from another target of the same model, without the slow steps."""
+    alone = run_requests(front_doors.address,
+                         [greedy_request(p, FAILOVER_TOKENS, speculate=False) for p in SPECULATED_PROMPTS])
     addresses = ",".join(d.address for d in two_drafters)
     target = service_process("target_service", [*SPECULATING, "--drafter", addresses],
                             log_path=tmp_path / "target.log").start()
@@ -77,11 +81,10 @@ def test_a_target_fails_over_to_its_other_drafter_and_clients_see_nothing(two_dr
         target.wait_metric("tandem_drafter_connected", 1.0)
         [first] = [d for d in two_drafters if _streams(d) == 1]
         [other] = [d for d in two_drafters if d is not first]
-        alone = run_requests(target.address, [greedy_request(p, 48, speculate=False) for p in SPECULATED_PROMPTS])
 
         results = []
         clients = threading.Thread(target=lambda: results.extend(
-            run_requests(target.address, [greedy_request(p, 48) for p in SPECULATED_PROMPTS])))
+            run_requests(target.address, [greedy_request(p, FAILOVER_TOKENS) for p in SPECULATED_PROMPTS])))
         clients.start()
         time.sleep(0.5)
         first.kill()  # mid-generation
@@ -90,7 +93,7 @@ def test_a_target_fails_over_to_its_other_drafter_and_clients_see_nothing(two_dr
 
         _wait(lambda: _streams(other) == 1, "the target's stream on the other drafter")
         before = scrape(target.metrics_url)
-        again = run_requests(target.address, [greedy_request(p, 48) for p in SPECULATED_PROMPTS])
+        again = run_requests(target.address, [greedy_request(p, FAILOVER_TOKENS) for p in SPECULATED_PROMPTS])
         after = scrape(target.metrics_url)
         assert [r.token_ids for r in again] == [a.token_ids for a in alone]
         accepted = (metric(after, "tandem_spec_decode_num_accepted_tokens_total")
@@ -132,7 +135,9 @@ def test_a_client_spreads_its_calls_round_robin_over_target_replicas(tmp_path):
             target.kill()
 
 
-def test_two_targets_share_one_drafter(two_drafters, tmp_path):
+def test_two_targets_share_one_drafter(two_drafters, tmp_path, front_doors):
+    """The output alone comes from another target of the same model, without the slow steps."""
+    alone = run_requests(front_doors.address, [greedy_request(p, 32, speculate=False) for p in SPECULATED_PROMPTS])
     draft = two_drafters[0]
     targets = [service_process("target_service", [*SPECULATING, "--drafter", draft.address],
                               log_path=tmp_path / f"target-{i}.log").start() for i in range(2)]
@@ -142,7 +147,6 @@ def test_two_targets_share_one_drafter(two_drafters, tmp_path):
             target.wait_metric("tandem_drafter_connected", 1.0)
         _wait(lambda: _streams(draft) == 2, "a stream from each target")
         requests = [greedy_request(p, 32) for p in SPECULATED_PROMPTS]
-        alone = run_requests(targets[0].address, [greedy_request(p, 32, speculate=False) for p in SPECULATED_PROMPTS])
         results: dict[int, list] = {}
 
         def serve(i: int) -> None:

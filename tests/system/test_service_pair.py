@@ -3,69 +3,15 @@ from __future__ import annotations
 
 import signal
 import statistics
+import threading
 import time
 
-import pytest
 
-from tests.support.service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape, service_process
+from tests.support.pairs import TWO_THREADS, pair_fixture, start_pair, wait_connected
+from tests.support.service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape
 from tandem.launch import ServiceProcess
 
 MAX_TOKENS = 24
-
-
-def _pair(tmp_path_factory, name: str, draft_args: list[str], target_args: list[str] = ()):
-    logs = tmp_path_factory.mktemp(name)
-    draft = service_process("draft_service", ["--threads", "1", "--max-model-len", "512", *draft_args],
-                           log_path=logs / "draft.log").start()
-    target = service_process("target_service", ["--threads", "1", "--max-model-len", "512", "--drafter",
-                                               draft.address, *target_args], log_path=logs / "target.log").start()
-    draft.wait_healthy()
-    target.wait_healthy()
-    _wait_connected(target)
-    return draft, target
-
-
-def _wait_connected(target: ServiceProcess, connected: bool = True, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metric(scrape(target.metrics_url), "tandem_drafter_connected") == float(connected):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"tandem_drafter_connected did not become {int(connected)}")
-
-
-def _restart_drafter(draft: ServiceProcess, target: ServiceProcess) -> ServiceProcess:
-    """Kills the drafter, waits for the target to see it gone, starts it again and waits for the
-    target to reconnect: what the target's running sequences see of a drafter's crash and restart."""
-    draft.kill()
-    _wait_connected(target, connected=False)
-    draft = draft.restarted().wait_healthy()
-    _wait_connected(target, connected=True)
-    return draft
-
-
-def _pair_fixture(drafter: str, target_args: list[str] = (), draft_args: list[str] = ()):
-    """A module-scoped pair with the given drafter, killed after the module."""
-
-    @pytest.fixture(scope="module")
-    def pair(tmp_path_factory):
-        draft, target = _pair(tmp_path_factory, drafter, ["--drafter", drafter, *draft_args], target_args)
-        yield draft, target
-        target.kill()
-        draft.kill()
-
-    return pair
-
-
-# TWO_THREADS: pairs whose services never compete for the 2 cores take both, and run twice as fast.
-# A synchronous pair takes turns (the target waits for its drafts, the drafter for the next update);
-# a lookup drafter's work takes microseconds, so its target may have both cores.
-TWO_THREADS = ["--threads", "2"]  # after _pair's "--threads 1": the last flag given wins
-ngram_pair = _pair_fixture("ngram", TWO_THREADS)
-# Whether an async step finds the model drafter's drafts in time depends on the machine's load, and
-# the draft budget may verify none of them; synchronous speculation verifies every draft, so that
-# this test always checks verification with the distilled drafter's real drafts.
-model_pair = _pair_fixture("model", ["--sync-speculation", *TWO_THREADS], TWO_THREADS)
 
 
 def _greedy_identity(target: ServiceProcess) -> None:
@@ -103,8 +49,8 @@ def test_a_target_that_keeps_no_predrafts_is_sent_none(model_pair):
     assert metric(target_samples, "tandem_draft_rejected_proposals_total", reason="base_len") == 0
 
 
-suffix_pair = _pair_fixture("suffix", TWO_THREADS)
-suffix_model_pair = _pair_fixture("suffix+model", ["--sync-speculation", *TWO_THREADS], TWO_THREADS)
+suffix_pair = pair_fixture("suffix", TWO_THREADS)
+suffix_model_pair = pair_fixture("suffix+model", ["--sync-speculation", *TWO_THREADS], TWO_THREADS)
 
 
 def test_greedy_with_suffix_drafter_is_token_identical(suffix_pair):
@@ -134,7 +80,7 @@ def test_suffix_in_front_of_the_model_is_lossless_and_its_point_masses_are_verif
 # within the target's step. On a slow CPU the distilled drafter's rounds outlast SmolLM2's 15 ms
 # step, and the policy rightly stops waiting for drafts; a step of at least 150 ms stands in for
 # the larger target that speculation is for.
-cached_pair = _pair_fixture("model", ["--dtype", "bfloat16", "--min-step-ms", "150"], ["--num-slots", "64"])
+cached_pair = pair_fixture("model", ["--dtype", "bfloat16", "--min-step-ms", "150"], ["--num-slots", "64"])
 
 
 def test_greedy_with_cached_pre_drafts_is_token_identical(cached_pair):
@@ -149,7 +95,7 @@ def test_greedy_with_cached_pre_drafts_is_token_identical(cached_pair):
 
 
 def test_ttft_does_not_wait_for_a_slow_drafter(tmp_path_factory):
-    draft, target = _pair(tmp_path_factory, "slow", ["--drafter", "ngram", "--delay-ms", "500"])
+    draft, target = start_pair(tmp_path_factory, "slow", ["--drafter", "ngram", "--delay-ms", "500"])
     try:
         ttft = {True: [], False: []}
         outputs = {True: [], False: []}
@@ -168,12 +114,10 @@ def test_ttft_does_not_wait_for_a_slow_drafter(tmp_path_factory):
 
 def test_drafter_killed_and_restarted(tmp_path_factory):
     # The step floor makes drafts pay here too (see the hung-drafter test): speculation must be seen to resume.
-    draft, target = _pair(tmp_path_factory, "faults", ["--drafter", "ngram"],
-                          ["--max-num-seqs", "4", "--min-step-ms", "50"])
+    draft, target = start_pair(tmp_path_factory, "faults", ["--drafter", "ngram"],
+                               ["--max-num-seqs", "4", "--min-step-ms", "50", "--reconnect-max-seconds", "0.3"])
     try:
         [reference] = run_requests(target.address, [greedy_request(PROMPTS[4], 48, speculate=False)])
-        import threading
-
         results = []
         worker = threading.Thread(target=lambda: results.extend(
             run_requests(target.address, [greedy_request(PROMPTS[4], 48, ignore_eos=True)] * 4)))
@@ -185,11 +129,11 @@ def test_drafter_killed_and_restarted(tmp_path_factory):
         expected = reference.token_ids
         for result in results:
             assert result.token_ids[: len(expected)] == expected
-        _wait_connected(target, connected=False)
+        wait_connected(target, connected=False)
 
         before = metric(scrape(target.metrics_url), "tandem_spec_decode_num_accepted_tokens_total")
         draft = draft.restarted().wait_healthy()
-        _wait_connected(target, connected=True)
+        wait_connected(target, connected=True)
         [again] = run_requests(target.address, [greedy_request(PROMPTS[4], 48)])
         assert again.token_ids == expected
         after = metric(scrape(target.metrics_url), "tandem_spec_decode_num_accepted_tokens_total")
@@ -205,8 +149,8 @@ def test_a_hung_drafter_makes_no_step_wait_and_speculation_resumes_when_it_answe
     The target's 50 ms step floor stands in for a target whose steps make drafts pay: on a CPU
     where a verify costs several decode steps the policy would pause the drafter, and a 48-token
     request might then hold no exploring step (one in 64) to show that speculation resumed."""
-    draft, target = _pair(tmp_path_factory, "hung", ["--drafter", "ngram"],
-                          ["--draft-wait-ms", "50", "--min-step-ms", "50"])
+    draft, target = start_pair(tmp_path_factory, "hung", ["--drafter", "ngram"],
+                               ["--draft-wait-ms", "50", "--min-step-ms", "50"])
     request = greedy_request(PROMPTS[4], 48, ignore_eos=True)
     try:
         [alone] = run_requests(target.address, [greedy_request(PROMPTS[4], 48, ignore_eos=True, speculate=False)])
@@ -231,7 +175,7 @@ def test_a_hung_drafter_makes_no_step_wait_and_speculation_resumes_when_it_answe
         assert delta("tandem_draft_wait_seconds_count") <= steps / 4, "most steps waited for a silent drafter"
         assert delta("tandem_draft_wait_seconds_sum") < 0.5
 
-        _wait_connected(target)
+        wait_connected(target)
         [resumed] = run_requests(target.address, [request])
         assert resumed.token_ids == alone.token_ids
         assert resumed.draft_tokens > 0, "speculation did not resume once the drafter answered again"

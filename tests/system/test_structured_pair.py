@@ -21,19 +21,17 @@ import pytest
 from scipy import stats
 
 from bench.prompt_set import load_json_prompts
+from tests.support.pairs import restart_drafter, start_pair
 from tests.support.service_fixtures import call_error, greedy_request, metric, run_requests, scrape, target_with_drafter
 from tandem.launch import ServiceProcess
 from tandem.runtime import load_tokenizer
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2, structured_pb2
-from test_service_pair import TWO_THREADS, _pair, _pair_fixture, _restart_drafter
 
 MAX_TOKENS = 400
 JSON_PROMPTS = load_json_prompts()
 CHOICES = ["dark red paint", "dark green paint", "light blue paint", "light grey paint", "warm yellow paint"]
 
-# Both pairs take both cores (TWO_THREADS says why they may): the long JSON outputs take half the time.
-model_pair = _pair_fixture("model", ["--sync-speculation", "--max-model-len", "1024", *TWO_THREADS], TWO_THREADS)
-ngram_pair = _pair_fixture("ngram", ["--max-model-len", "1024", *TWO_THREADS])
+# ngram_pair and model_pair (tests/system/conftest.py) take both cores: the long JSON outputs take half the time.
 
 
 def _json_request(prompt, speculate: bool, temperature: float, seed: int) -> generation_pb2.GenerateRequest:
@@ -78,7 +76,9 @@ def test_every_output_of_the_target_alone_validates(json_alone):
         _check_valid(results, temperature)
 
 
-@pytest.mark.parametrize("pair", ["model_pair", "ngram_pair"])
+# The model drafter's run is a long one (-m slow): its grammar-fitted drafts are also checked by the
+# unit tests in tests/tandem/test_structured_outputs.py and verified by the choice test below.
+@pytest.mark.parametrize("pair", [pytest.param("model_pair", marks=pytest.mark.slow), "ngram_pair"])
 def test_speculation_gives_the_validated_outputs_of_the_target_alone(pair, request, json_alone):
     """Greedy, and sampled in drafter-invariant mode: token for token the outputs validated alone."""
     _, target = request.getfixturevalue(pair)
@@ -266,24 +266,25 @@ def _assert_in(text: str, allowed: tuple[str, ...]) -> None:
     assert text in allowed, text
 
 
-def test_constrained_requests_survive_a_drafter_restart_and_speculate_again(tmp_path_factory):
+def test_constrained_requests_survive_a_drafter_restart_and_speculate_again(tmp_path_factory, ngram_pair):
     """The drafter dies mid-generation and comes back: the target reopens the running sequences with
     their constraint and constrained_from (the prompt's end, before the tokens committed so far), and
-    the new drafter drafts them under the grammar. Output equals the target alone's throughout."""
+    the new drafter drafts them under the grammar. Output equals the target alone's throughout: the
+    other pair's target, the same model without the slow steps, gives it."""
     # The requests must outlast the drafter's restart, which takes 5 s on a slow machine: 150 words at
     # 80 ms a step, and a backoff capped low, so that the target finds the new drafter at once.
-    draft, target = _pair(tmp_path_factory, "constrained-restart", ["--drafter", "ngram"],
-                          ["--min-step-ms", "80", "--reconnect-max-seconds", "0.3"])
     constraint = structured_pb2.StructuredOutputs(regex="([a-z]{1,8} ){150}")
+    [reference] = run_requests(ngram_pair[1].address, [greedy_request("Name some animals.", 300, speculate=False,
+                                                                      structured_outputs=constraint)])
+    draft, target = start_pair(tmp_path_factory, "constrained-restart", ["--drafter", "ngram"],
+                               ["--min-step-ms", "80", "--reconnect-max-seconds", "0.3"])
     try:
-        [reference] = run_requests(target.address, [greedy_request("Name some animals.", 300, speculate=False,
-                                                                   structured_outputs=constraint)])
         results = []
         worker = threading.Thread(target=lambda: results.extend(run_requests(
             target.address, [greedy_request("Name some animals.", 300, structured_outputs=constraint)] * 2)))
         worker.start()
         time.sleep(0.5)
-        draft = _restart_drafter(draft, target)
+        draft = restart_drafter(draft, target)
         before = _accepted(target)
         worker.join(300)
         assert [r.token_ids for r in results] == [reference.token_ids] * 2

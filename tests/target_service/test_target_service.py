@@ -194,6 +194,9 @@ def test_full_queue_is_resource_exhausted(target):
     assert outcomes.count(grpc.StatusCode.OK) >= 12
 
 
+DRAINED_TOKENS = 200
+
+
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -204,7 +207,7 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
             async with grpc.aio.insecure_channel(service.address) as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)
                 # Long enough to outlast the checks below on a fast CPU (40 tokens took under 0.5 s).
-                call = stub.Generate(greedy_request(PROMPTS[1], 300, ignore_eos=True))
+                call = stub.Generate(greedy_request(PROMPTS[1], DRAINED_TOKENS, ignore_eos=True))
                 first = await call.read()
                 service.process.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.5)
@@ -223,7 +226,7 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
         status, refused, tokens, finish = asyncio.run(scenario())
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert refused == grpc.StatusCode.UNAVAILABLE
-        assert len(tokens) == 300 and finish == generation_pb2.FINISH_REASON_LENGTH
+        assert len(tokens) == DRAINED_TOKENS and finish == generation_pb2.FINISH_REASON_LENGTH
         assert service.process.wait(60) == 0
     finally:
         service.kill()
