@@ -127,7 +127,7 @@ def pair(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fuzz")
     draft = ServiceProcess("draft_service", ["--drafter", "ngram", "--threads", "1"],
                            log_path=logs / "draft.log").start()
-    target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", str(MAX_MODEL_LEN),
+    target = ServiceProcess("target_service", ["--threads", "2", "--max-model-len", str(MAX_MODEL_LEN),
                                                "--max-num-seqs", "4", "--drafter", draft.address],
                             log_path=logs / "target.log").start()
     try:

@@ -62,7 +62,8 @@ async def _burst(address: str, streams: int, max_tokens: int) -> tuple[collectio
 def _pair(tmp_path, target_args: list[str]) -> tuple[ServiceProcess, ServiceProcess]:
     draft = ServiceProcess("draft_service", ["--drafter", "ngram", "--threads", "1"],
                            log_path=tmp_path / "draft.log").start()
-    target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--drafter",
+    # Both cores for the target: the n-gram drafter's lookups take microseconds.
+    target = ServiceProcess("target_service", ["--threads", "2", "--max-model-len", "512", "--drafter",
                                                draft.address, *target_args], log_path=tmp_path / "target.log").start()
     draft.wait_healthy()
     target.wait_healthy()

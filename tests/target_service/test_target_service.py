@@ -22,7 +22,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     log = tmp_path_factory.mktemp("target") / "target.log"
-    service = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--max-queue", "4",
+    service = ServiceProcess("target_service", ["--threads", "2", "--max-model-len", "512", "--max-queue", "4",
                                                 "--dtype", "float32"],  # as the reference loop
                              log_path=log).start()
     try:
@@ -200,7 +200,7 @@ DRAINED_TOKENS = 200
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    service = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--grace-seconds", "60"],
+    service = ServiceProcess("target_service", ["--threads", "2", "--max-model-len", "512", "--grace-seconds", "60"],
                              log_path=tmp_path / "target.log").start().wait_healthy()
     try:
         async def scenario():
