@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not an installed package
 
 from bench.load import RequestRecord, poisson_arrivals  # noqa: E402
@@ -41,6 +43,7 @@ def test_poisson_schedule_is_seeded():
     assert 5 < a[-1] < 25  # about 49 gaps of 0.25 s
 
 
+@pytest.mark.slow  # three services and six cells: the bench's own check before its figures are reported
 def test_tiny_run_end_to_end(tmp_path):
     from bench.serve import main
 
