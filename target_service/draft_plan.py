@@ -35,7 +35,8 @@ class PlannedDrafts:
     def verify_item(self) -> VerifyItem:
         seq = self.seq
         return VerifyItem(slot=seq.slot, length=len(seq.token_ids), last_token=seq.token_ids[-1],
-                          drafts=self.drafts, sampling=seq.options.sampling, grammar=seq.grammar)
+                          drafts=self.drafts, sampling=seq.options.sampling, grammar=seq.grammar,
+                          stop_ban=seq.stop_ban())
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=options.skip_special_tokens, context_ids=prompt_ids
             ),
-            stops=StopChecker(options.stop, options.stop_token_ids | eos),
+            stops=StopChecker(options.stop, options.stop_token_ids | eos, options.include_stop_str_in_output),
             grammar=grammar,
         )
 
@@ -145,8 +145,8 @@ class Engine:
             await self._publish(plan.seqs, results, outputs, firsts)
 
     async def _prefill(self, admitted: list[Sequence]) -> list[Verified]:
-        items = [PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling, grammar=s.grammar)
-                 for s in admitted]
+        items = [PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling, grammar=s.grammar,
+                             stop_ban=s.stop_ban()) for s in admitted]
         started = time.perf_counter()
         results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)

@@ -25,6 +25,7 @@ from kernels.rejection import rejection_sample
 from kernels.sampling import Sampling, probs_of, sample
 from target_service.drafts import UsableDrafts
 from target_service.metrics import TargetMetrics
+from target_service.sequence import StopBan
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
 from tandem.structured import TokenMasker
@@ -37,6 +38,7 @@ class PrefillItem:
     prompt_ids: list[int]
     sampling: Sampling
     grammar: Matcher | None = None
+    stop_ban: StopBan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,7 @@ class VerifyItem:
     drafts: UsableDrafts | None
     sampling: Sampling
     grammar: Matcher | None = None
+    stop_ban: StopBan | None = None
 
     @property
     def num_drafts(self) -> int:
@@ -89,6 +92,7 @@ class ModelRunner:
         masks = self._start_masks([(i.grammar, ()) for i in items])
         logits, features = self._forward(chunks, capture)  # [B, vocab]
         self._apply_masks(logits, masks)
+        _ban_stops(logits, [(i.stop_ban, 1) for i in items])
         tokens = [0] * len(items)
         greedy = [b for b, i in enumerate(items) if i.sampling.greedy]
         sampled = [b for b, i in enumerate(items) if not i.sampling.greedy]
@@ -116,6 +120,7 @@ class ModelRunner:
         masks = self._start_masks([(i.grammar, i.drafts.tokens if i.drafts else ()) for i in items])
         logits, features = self._forward(chunks, capture)  # [sum(k_i + 1), vocab]
         self._apply_masks(logits, masks)
+        _ban_stops(logits, [(i.stop_ban, i.num_drafts + 1) for i in items])
         results: list[Verified | None] = [None] * len(items)
         greedy = [b for b, i in enumerate(items) if i.sampling.greedy]
         rows = self._rows_of(items, greedy)
@@ -242,6 +247,16 @@ def verify_greedy(drafts: tuple[int, ...], targets: list[int]) -> Verified:
     while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
         accepted += 1
     return Verified(tokens=[*drafts[:accepted], targets[accepted]], num_accepted=accepted)
+
+
+def _ban_stops(logits: torch.Tensor, bans: list[tuple[StopBan | None, int]]) -> None:
+    """In place, logits [rows, vocab]: each item's (ban, rows it owns), in order; a ban covers the
+    item's first ban.rows positions, so that drafts past min_tokens may still be EOS."""
+    offset = 0
+    for ban, rows in bans:
+        if ban is not None:
+            logits[offset : offset + min(ban.rows, rows), list(ban.token_ids)] = float("-inf")
+        offset += rows
 
 
 def _unpack(tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[Verified]:

@@ -31,6 +31,16 @@ class RequestOptions:
     speculate: bool
     num_speculative_tokens: int
     constraint: Constraint | None = None  # structured output: the grammar every generated token follows
+    min_tokens: int = 0  # no stop token or stop string ends the sequence before this many tokens
+    include_stop_str_in_output: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StopBan:
+    """Tokens the next `rows` positions may not emit (min_tokens): logits -inf there, on the target."""
+
+    token_ids: tuple[int, ...]
+    rows: int
 
 
 class SequenceStatus(enum.Enum):
@@ -125,7 +135,7 @@ class Sequence:
                 finish = FinishReason.STOP
                 break
             grammar_done = self._advance_grammar(token)
-            text, hit_stop_string = self.stops.add_text(self.detokenizer.feed(token))
+            text, hit_stop_string = self.stops.add_text(self.detokenizer.feed(token), self._may_stop)
             text_parts.append(text)
             if hit_stop_string or grammar_done:
                 finish = FinishReason.STOP
@@ -134,12 +144,22 @@ class Sequence:
                 finish = FinishReason.LENGTH
                 break
         if finish is not None and not hit_stop_string:
-            tail, hit_stop_string = self.stops.add_text(self.detokenizer.flush())
+            tail, hit_stop_string = self.stops.add_text(self.detokenizer.flush(), self._may_stop)
             text_parts.append(tail if hit_stop_string else tail + self.stops.flush())
             if hit_stop_string:  # the text the last token completed holds a stop string: it stopped there
                 finish = FinishReason.STOP
         output = Output(token_ids=emitted, text="".join(text_parts), num_accepted=min(num_accepted, len(emitted)))
         return output, finish
+
+    @property
+    def _may_stop(self) -> bool:
+        """Past min_tokens: a stop string in the text just generated ends the sequence (vLLM's rule)."""
+        return self.num_generated > self.options.min_tokens
+
+    def stop_ban(self) -> StopBan | None:
+        """EOS and the stop tokens, banned from the next positions until min_tokens is reached."""
+        rows = self.options.min_tokens - self.num_generated
+        return StopBan(tuple(sorted(self.stops.stop_token_ids)), rows) if rows > 0 else None
 
     def _advance_grammar(self, token: int) -> bool:
         """Feed the token to the grammar; True once the grammar allows nothing more (it is complete).

@@ -10,6 +10,7 @@ class StopChecker:
 
     stop_strings: tuple[str, ...]
     stop_token_ids: frozenset[int]
+    include_stop_str: bool = False  # the matched stop string ends the text instead of being cut
     matched: str | None = field(default=None, init=False)  # the stop string that ended the sequence
     _pending: str = field(default="", init=False)
 
@@ -20,16 +21,21 @@ class StopChecker:
     def is_stop_token(self, token: int) -> bool:
         return token in self.stop_token_ids
 
-    def add_text(self, delta: str) -> tuple[str, bool]:
-        """Returns the text safe to send now, and whether a stop string ended the sequence."""
+    def add_text(self, delta: str, may_stop: bool = True) -> tuple[str, bool]:
+        """Returns the text safe to send now, and whether a stop string ended the sequence.
+
+        A stop string counts only if it ends in `delta`, and only when may_stop (min_tokens is reached)."""
+        checked = len(self._pending)  # every stop string ending before here was looked for already
         self._pending += delta
         if not self.stop_strings:
             text, self._pending = self._pending, ""
             return text, False
-        found = [(i, s) for s in self.stop_strings if (i := self._pending.find(s)) >= 0]
+        found = [(i, s) for s in self.stop_strings
+                 if may_stop and (i := self._pending.find(s, max(0, checked - len(s) + 1))) >= 0]
         if found:
             cut, self.matched = min(found, key=lambda hit: hit[0])
-            text, self._pending = self._pending[:cut], ""
+            end = cut + len(self.matched) if self.include_stop_str else cut
+            text, self._pending = self._pending[:end], ""
             return text, True
         safe = max(0, len(self._pending) - self._hold_back)
         text, self._pending = self._pending[:safe], self._pending[safe:]

@@ -71,12 +71,14 @@ def sampling_options(
         raise invalid("max_tokens", f"{max_tokens} plus the prompt's {prompt_len} tokens exceed "
                                     f"max_model_len {config.max_model_len}")
     _check_stops(params, vocab_size)
+    constraint = _constraint(params)
+    _check_min_tokens(params, max_tokens, constraint)
     k = params.num_speculative_tokens if params.HasField("num_speculative_tokens") else config.num_speculative_tokens
     if k > MAX_SPECULATIVE_TOKENS:
         raise invalid("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}")
     return RequestOptions(
         sampling=sampling,
-        constraint=_constraint(params),
+        constraint=constraint,
         max_tokens=max_tokens,
         stop=tuple(params.stop),
         stop_token_ids=frozenset(params.stop_token_ids),
@@ -84,7 +86,17 @@ def sampling_options(
         skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
         speculate=params.speculate if params.HasField("speculate") else True,
         num_speculative_tokens=k,
+        min_tokens=params.min_tokens,
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
+
+
+def _check_min_tokens(params: generation_pb2.SamplingParams, max_tokens: int, constraint: Constraint | None) -> None:
+    if params.min_tokens > max_tokens:
+        raise invalid("min_tokens", f"{params.min_tokens} exceeds max_tokens {max_tokens}")
+    if params.min_tokens and constraint is not None:
+        raise invalid("min_tokens", "is not supported with structured_outputs yet: the grammar may end the "
+                                    "output first; leave it 0")
 
 
 def _sampling(params: generation_pb2.SamplingParams, vocab_size: int) -> Sampling:

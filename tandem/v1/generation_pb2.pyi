@@ -20,7 +20,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "speculate", "num_speculative_tokens", "drafter_invariant", "structured_outputs")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "speculate", "num_speculative_tokens", "drafter_invariant", "structured_outputs", "min_tokens", "include_stop_str_in_output")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class SamplingParams(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -49,7 +51,9 @@ class SamplingParams(_message.Message):
     num_speculative_tokens: int
     drafter_invariant: bool
     structured_outputs: _structured_pb2.StructuredOutputs
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., speculate: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_structured_pb2.StructuredOutputs, _Mapping]] = ...) -> None: ...
+    min_tokens: int
+    include_stop_str_in_output: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., speculate: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., drafter_invariant: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_structured_pb2.StructuredOutputs, _Mapping]] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

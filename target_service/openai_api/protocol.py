@@ -96,6 +96,8 @@ class _Request(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX)
+    include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     request_id: str | None = None
@@ -112,8 +114,6 @@ class _Request(_Body):
     frequency_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
-    min_tokens: Any = None
-    include_stop_str_in_output: Any = None
     prompt_logprobs: Any = None
 
 
@@ -156,8 +156,8 @@ class DetokenizeRequest(_Body):
 # The value of each unserved field that asks for nothing; `None` (unset) always does too.
 UNSERVED: dict[str, tuple[Any, ...]] = {
     "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,),
-    "include_stop_str_in_output": (False,), "prompt_logprobs": (), "tools": (), "tool_choice": ("none",),
+    "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
+    "prompt_logprobs": (), "tools": (), "tool_choice": ("none",),
     "parallel_tool_calls": (), "functions": (), "function_call": ("none",), "add_generation_prompt": (True,),
     "continue_final_message": (False,), "add_special_tokens": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "echo": (False,), "best_of": (1,), "suffix": (),
@@ -238,6 +238,8 @@ def sampling_params(body: _Request, max_tokens: int | None) -> generation_pb2.Sa
         ignore_eos=body.ignore_eos,
         skip_special_tokens=body.skip_special_tokens,
         drafter_invariant=body.drafter_invariant,
+        min_tokens=body.min_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
     )
     for name in ("temperature", "top_p", "min_p", "speculate", "num_speculative_tokens"):
         value = getattr(body, name)

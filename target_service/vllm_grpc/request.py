@@ -53,6 +53,8 @@ def sampling_params(params: vllm_engine_pb2.SamplingParams) -> generation_pb2.Sa
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens,
+        min_tokens=params.min_tokens,
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
     if params.HasField("temperature"):
         ours.temperature = params.temperature
@@ -75,7 +77,7 @@ def _refuse_unserved(params: vllm_engine_pb2.SamplingParams) -> None:
     first shapes only text, which this protocol does not carry (the gateway detokenizes); the
     second asks for what this engine always does, a constraint from the first generated token."""
     field = "sampling_params."
-    for name in ("frequency_penalty", "presence_penalty", "min_tokens"):
+    for name in ("frequency_penalty", "presence_penalty"):
         if getattr(params, name):
             raise _refuse(field + name, f"{getattr(params, name):g} is not supported yet; leave it 0")
     if params.repetition_penalty not in (0.0, 1.0):
@@ -85,8 +87,6 @@ def _refuse_unserved(params: vllm_engine_pb2.SamplingParams) -> None:
     for name in ("logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
         if params.HasField(name):
             raise _refuse(field + name)
-    if params.include_stop_str_in_output:
-        raise _refuse(field + "include_stop_str_in_output")
     if params.logit_bias:
         raise _refuse(field + "logit_bias")
 

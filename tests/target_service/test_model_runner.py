@@ -8,7 +8,8 @@ from kernels.compression import encode, no_probs
 from kernels.rejection import rejection_sample_reference
 from kernels.sampling import Sampling
 from target_service.drafts import UsableDrafts
-from target_service.model_runner import PrefillItem, ModelRunner, VerifyItem, verify_greedy
+from target_service.model_runner import PrefillItem, ModelRunner, VerifyItem, _ban_stops, verify_greedy
+from target_service.sequence import StopBan
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import build_model
@@ -85,3 +86,34 @@ def test_prefill_mixes_greedy_and_sampled_requests(runner):
     alone = [runner.prefill([PrefillItem(2, p, o)])[0].tokens[0] for p, o in zip(prompts, options)]
     assert together == alone
     assert together[0] == runner.model.greedy_tokens(runner.model.run([SequenceChunk(3, 0, prompts[0])]))[0]
+
+
+def test_a_banned_draft_is_rejected_and_its_position_emits_another_token(runner):
+    """This random model repeats its last token: drafting that token is right, unless it is banned."""
+    model = runner.model
+    prompt = list(range(3, 15))
+    model.run([SequenceChunk(0, 0, prompt)])
+    continuation = greedy_generate(model, prompt + [20], 3, slot=1)
+    drafts = UsableDrafts(tuple(continuation[:2]), None, False)
+
+    def verify(ban: StopBan | None):
+        [result] = runner.verify([VerifyItem(0, len(prompt) + 1, 20, drafts, _options(0.0), stop_ban=ban)])
+        return result
+
+    assert verify(None).tokens == continuation
+    banned = verify(StopBan((continuation[0],), 1))
+    assert banned.num_accepted == 0 and banned.tokens[0] != continuation[0]
+
+
+def test_a_stop_ban_covers_an_items_first_rows_only():
+    logits = torch.zeros(5, 8)  # two items: 3 rows (k = 2), then 2 rows
+    _ban_stops(logits, [(StopBan((1, 4), 2), 3), (StopBan((7,), 5), 2)])
+    banned = (logits == float("-inf")).nonzero().tolist()
+    assert banned == [[0, 1], [0, 4], [1, 1], [1, 4], [3, 7], [4, 7]]
+
+
+def test_a_prefill_with_a_stop_ban_never_emits_the_banned_token(runner):
+    prompt = list(range(3, 15))
+    [free] = runner.prefill([PrefillItem(0, prompt, _options(0.0))])
+    [banned] = runner.prefill([PrefillItem(1, prompt, _options(0.0), stop_ban=StopBan((free.tokens[0],), 1))])
+    assert banned.tokens[0] != free.tokens[0]

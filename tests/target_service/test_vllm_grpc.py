@@ -72,6 +72,21 @@ def test_the_complete_message_names_the_stop_that_matched(stub, tokenizer):
     assert free[0].finish_reason == "length" and free[0].WhichOneof("matched_stop") is None
 
 
+def test_min_tokens_and_include_stop_str_in_output_are_served(front_doors, stub, tokenizer):
+    prompt = "Answer with one word: is water wet?"
+    [free] = run_requests(front_doors.address, [greedy_request(prompt, 64)])
+    [held] = run_requests(front_doors.address, [greedy_request(prompt, 64, min_tokens=len(free.token_ids) + 8)])
+    ids = _prompt_ids(tokenizer, prompt)
+    [complete] = [r.complete for r in stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=64,
+                                                             min_tokens=len(free.token_ids) + 8), timeout=60)]
+    assert list(complete.output_ids) == held.token_ids
+    stop = free.text[:2]
+    [kept] = [r.complete for r in stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=64,
+                                                         stop=[stop], include_stop_str_in_output=True), timeout=60)]
+    assert complete.finish_reason in ("stop", "length") and kept.finish_reason == "stop"
+    assert tokenizer.decode(list(kept.output_ids), skip_special_tokens=True).startswith(stop)
+
+
 def test_speculation_counts_arrive_in_the_complete_message(stub, tokenizer):
     ids = tokenizer.encode("Repeat: " + " ".join(["alpha beta gamma delta"] * 6))
     [complete] = [r.complete for r in stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=48),
@@ -98,12 +113,11 @@ def test_structured_output_maps_onto_the_constraint(stub, tokenizer):
     (dict(frequency_penalty=0.5), "sampling_params.frequency_penalty"),
     (dict(presence_penalty=0.5), "sampling_params.presence_penalty"),
     (dict(repetition_penalty=1.2), "sampling_params.repetition_penalty"),
-    (dict(min_tokens=3), "sampling_params.min_tokens"),
+    (dict(min_tokens=9, max_tokens=4), "sampling_params.min_tokens"),
     (dict(n=2), "sampling_params.n"),
     (dict(logprobs=2), "sampling_params.logprobs"),
     (dict(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
     (dict(truncate_prompt_tokens=8), "sampling_params.truncate_prompt_tokens"),
-    (dict(include_stop_str_in_output=True), "sampling_params.include_stop_str_in_output"),
     (dict(logit_bias={5: 1.0}), "sampling_params.logit_bias"),
     (dict(structural_tag="{}"), "sampling_params.structural_tag"),
     (dict(temperature=-1.0), "sampling_params.temperature"),
