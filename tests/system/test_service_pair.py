@@ -112,12 +112,13 @@ def test_ttft_does_not_wait_for_a_slow_drafter(tmp_path_factory):
         draft.kill()
 
 
-def test_drafter_killed_and_restarted(tmp_path_factory):
-    # The step floor makes drafts pay here too (see the hung-drafter test): speculation must be seen to resume.
+def test_drafter_killed_and_restarted(tmp_path_factory, ngram_pair):
+    # The step floor makes drafts pay here too (see the hung-drafter test): speculation must be seen
+    # to resume. The output alone comes from the other pair's target, the same model without the floor.
+    [reference] = run_requests(ngram_pair[1].address, [greedy_request(PROMPTS[4], 48, speculate=False)])
     draft, target = start_pair(tmp_path_factory, "faults", ["--drafter", "ngram"],
                                ["--max-num-seqs", "4", "--min-step-ms", "50", "--reconnect-max-seconds", "0.3"])
     try:
-        [reference] = run_requests(target.address, [greedy_request(PROMPTS[4], 48, speculate=False)])
         results = []
         worker = threading.Thread(target=lambda: results.extend(
             run_requests(target.address, [greedy_request(PROMPTS[4], 48, ignore_eos=True)] * 4)))
@@ -143,7 +144,7 @@ def test_drafter_killed_and_restarted(tmp_path_factory):
         draft.kill()
 
 
-def test_a_hung_drafter_makes_no_step_wait_and_speculation_resumes_when_it_answers(tmp_path_factory):
+def test_a_hung_drafter_makes_no_step_wait_and_speculation_resumes_when_it_answers(tmp_path_factory, ngram_pair):
     """SIGSTOP: the drafter stays connected but answers nothing. Steps must soon stop waiting for it.
 
     The target's 50 ms step floor stands in for a target whose steps make drafts pay: on a CPU
@@ -153,7 +154,8 @@ def test_a_hung_drafter_makes_no_step_wait_and_speculation_resumes_when_it_answe
                                ["--draft-wait-ms", "50", "--min-step-ms", "50"])
     request = greedy_request(PROMPTS[4], 48, ignore_eos=True)
     try:
-        [alone] = run_requests(target.address, [greedy_request(PROMPTS[4], 48, ignore_eos=True, speculate=False)])
+        [alone] = run_requests(ngram_pair[1].address, [greedy_request(PROMPTS[4], 48, ignore_eos=True,
+                                                                      speculate=False)])
         [warm] = run_requests(target.address, [request])
         assert warm.token_ids == alone.token_ids and warm.draft_tokens > 0
         before = scrape(target.metrics_url)
