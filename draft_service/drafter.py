@@ -124,14 +124,14 @@ class Proposal:
 
 
 def make_proposal(job: DraftJob, token_ids: list[int], q_prime: CompressedProbs | None,
-               recovered_guesses: list[list[Guess]] | None = None, guessed_next: int | None = None) -> Proposal:
+                  recovered_guesses: list[list[Guess]] | None = None, guessed_next: int | None = None) -> Proposal:
     """A Proposal carrying q' for rejection sampling, or ids only when q_prime is None.
 
     guessed_next: the bonus token a guess_next job guessed, the last of its assumed tokens.
     """
     assumed = job.tokens[job.known_len :] + ([] if guessed_next is None else [guessed_next])
     return Proposal(job.sequence.key, job.base_len, token_ids, q_prime, assumed_ids=assumed,
-                 recovered_guesses=recovered_guesses or [], job=job)
+                    recovered_guesses=recovered_guesses or [], job=job)
 
 
 def never() -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from draft_service.drafter import Proposal, DraftSequence, SeqKey
+from draft_service.drafter import DraftSequence, Proposal, SeqKey
 from draft_service.drafters.kv_slots import common_prefix_len
 from kernels.compression import point_mass
 from tandem.structured import CompiledGrammar, ConstraintError, GrammarCompiler

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from draft_service.drafter import Proposal, DraftJob, DraftSequence, Guess, SeqKey
+from draft_service.drafter import DraftJob, DraftSequence, Guess, Proposal, SeqKey
 from draft_service.metrics import DraftMetrics
 
 DECAY = 0.98  # per observation: a rate follows about the last 50

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.drafter import Proposal, Drafter, DraftJob, DraftSequence, SeqKey, never, sampling_of
+from draft_service.drafter import DraftJob, DraftSequence, Drafter, Proposal, SeqKey, never, sampling_of
 from draft_service.features import SequenceFeatures
 from draft_service.grammars import DraftGrammars
 from draft_service.metrics import DraftMetrics

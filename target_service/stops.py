@@ -21,7 +21,7 @@ class StopChecker:
     def is_stop_token(self, token: int) -> bool:
         return token in self.stop_token_ids
 
-    def add_text(self, delta: str, may_stop: bool = True) -> tuple[str, bool]:
+    def add_text(self, delta: str, may_stop: bool) -> tuple[str, bool]:
         """Returns the text safe to send now, and whether a stop string ended the sequence.
 
         A stop string counts only if it ends in `delta`, and only when may_stop (min_tokens is reached)."""

@@ -95,8 +95,8 @@ def _check_min_tokens(params: generation_pb2.SamplingParams, max_tokens: int, co
     if params.min_tokens > max_tokens:
         raise invalid("min_tokens", f"{params.min_tokens} exceeds max_tokens {max_tokens}")
     if params.min_tokens and constraint is not None:
-        raise invalid("min_tokens", "is not supported with structured_outputs yet: the grammar may end the "
-                                    "output first; leave it 0")
+        raise invalid("min_tokens", "is not supported with a structured-output constraint (structured_outputs "
+                                    "or response_format) yet: the grammar may end the output first; leave it 0")
 
 
 def _sampling(params: generation_pb2.SamplingParams, vocab_size: int) -> Sampling:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.drafter import Proposal, DraftJob, Guess, SeqKey, make_proposal, never
+from draft_service.drafter import DraftJob, Guess, Proposal, SeqKey, make_proposal, never
 from draft_service.drafters.kv_slots import SlotState, SlotTable, common_prefix_len
 from draft_service.metrics import DraftMetrics
 from kernels.bitmask import allowed_tokens

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from draft_service.drafter import Proposal, DraftJob, SeqKey, make_proposal, never
+from draft_service.drafter import DraftJob, Proposal, SeqKey, make_proposal, never
 from kernels.compression import point_mass
 
 

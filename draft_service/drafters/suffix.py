@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from draft_service.drafter import Proposal, DraftJob, SeqKey, make_proposal, never
+from draft_service.drafter import DraftJob, Proposal, SeqKey, make_proposal, never
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.suffix_index import NO_DRAFT, SuffixDraft, SuffixIndex, SuffixParams, speculate
 from kernels.compression import point_mass

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 import torch
 
-from draft_service.drafter import Proposal, DraftJob, DraftSequence, Guess, never
+from draft_service.drafter import DraftJob, DraftSequence, Guess, Proposal, never
 from kernels.sampling import Sampling
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.prompt_set import load_json_prompts
-from draft_service.drafter import Proposal, DraftJob, DraftSequence, make_proposal
+from draft_service.drafter import DraftJob, DraftSequence, Proposal, make_proposal
 from kernels.sampling import Sampling
 from draft_service.grammars import DraftGrammars, SequenceGrammar, cut
 from draft_service.metrics import DraftMetrics
