@@ -79,8 +79,9 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 def build_request(prompt: Prompt, index: int, temperature: float, max_tokens: int,
-                  speculate: bool | None, seed: int) -> generation_pb2.GenerateRequest:
-    params = generation_pb2.SamplingParams(temperature=temperature, max_tokens=max_tokens)
+                  speculate: bool | None, seed: int, extra: dict | None = None) -> generation_pb2.GenerateRequest:
+    """extra: more SamplingParams fields (penalties, logit_bias, ...), the same for every request."""
+    params = generation_pb2.SamplingParams(temperature=temperature, max_tokens=max_tokens, **(extra or {}))
     if temperature > 0:
         params.seed = seed + index  # the same seed per prompt in every mode
     if speculate is not None:
@@ -102,9 +103,10 @@ def _record(prompt: Prompt, sent: float, result: GenerationResult) -> RequestRec
 
 
 async def run_load(address: str, prompts: list[Prompt], arrivals: Arrivals, *, temperature: float,
-                   max_tokens: int, speculate: bool | None, seed: int = 0, timeout: float = 600.0) -> RunResult:
+                   max_tokens: int, speculate: bool | None, seed: int = 0, timeout: float = 600.0,
+                   extra: dict | None = None) -> RunResult:
     """Sends every prompt once over the Generation API, on one channel, and waits for all of them."""
-    requests = [build_request(p, i, temperature, max_tokens, speculate, seed) for i, p in enumerate(prompts)]
+    requests = [build_request(p, i, temperature, max_tokens, speculate, seed, extra) for i, p in enumerate(prompts)]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
 

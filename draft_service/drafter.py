@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from kernels.compression import CompressedProbs, pack
+from kernels.logits_processors import LogitsContext
 from kernels.sampling import Sampling
 from tandem.structured import Constraint
 from tandem.v1 import drafter_pb2
@@ -26,9 +27,14 @@ SeqKey = tuple[int, int]  # (stream id, sequence id): sequence ids are per Specu
 
 
 def sampling_of(msg: drafter_pb2.DraftSampling) -> Sampling:
-    """Proto3 leaves an unset top_p at 0, which means off; the uint64 seed becomes its int64 bits."""
+    """Proto3 leaves an unset top_p and repetition_penalty at 0, which mean off; the uint64 seed becomes
+    its int64 bits."""
     seed = msg.seed - (1 << 64) if msg.seed >= 1 << 63 else msg.seed
-    return Sampling(msg.temperature, msg.top_k, msg.top_p or 1.0, msg.min_p, seed, msg.drafter_invariant)
+    return Sampling(msg.temperature, msg.top_k, msg.top_p or 1.0, msg.min_p, seed, msg.drafter_invariant,
+                    presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                    repetition_penalty=msg.repetition_penalty or 1.0,
+                    logit_bias=tuple(sorted(msg.logit_bias.items())), allowed_token_ids=tuple(msg.allowed_token_ids),
+                    bad_words=tuple(tuple(word.token_ids) for word in msg.bad_words))
 
 
 @dataclass(slots=True)
@@ -45,10 +51,21 @@ class DraftSequence:
     constrained_from: int = 0
     grammar: SequenceGrammar | None = None  # the constraint compiled (grammars.py); the drafter's thread only
     features: SequenceFeatures | None = None  # the target's features, for a drafter that reads them
+    prompt_len: int = 0  # tokens from here on were generated: penalties and min_tokens count them
+    min_tokens: int = 0  # min_tokens_banned may not be drafted before this many tokens follow the prompt
+    min_tokens_banned: tuple[int, ...] = ()
     open_k: int = field(init=False)  # the Open's k: the most an Extend may ask for
 
     def __post_init__(self) -> None:
         self.open_k = self.k
+
+    def logits_context(self, tokens: list[int]) -> LogitsContext | None:
+        """What the logits rules of the position after `tokens` read, as the target's do; None when no rule applies."""
+        banned = len(tokens) - self.prompt_len < self.min_tokens
+        if not self.sampling.processes_logits and not banned:
+            return None
+        history = tokens if self.sampling.reads_history else ()
+        return LogitsContext(history, self.prompt_len, (), self.min_tokens_banned if banned else (), int(banned))
 
     @property
     def paused(self) -> bool:

@@ -19,7 +19,7 @@ CANCEL_STAGES = ("pending", "drafted")
 # Why an update from the target was skipped (the `reason` label of tandem_draft_invalid_updates_total).
 INVALID_REASONS = (
     "unknown_seq", "duplicate_seq", "empty_prompt", "prompt_too_long", "no_free_slot", "target_quota",
-    "bad_k", "bad_token_id", "bad_sampling", "bad_start", "bad_constraint", "bad_hidden_states",
+    "bad_k", "bad_token_id", "bad_sampling", "bad_start", "bad_constraint", "bad_hidden_states", "bad_prompt_len",
 )
 
 

@@ -185,7 +185,9 @@ class DraftScheduler:
         stream.refused.discard(msg.seq_id)
         sequence = DraftSequence((stream.id, msg.seq_id), list(msg.prompt_ids), sampling, msg.k,
                                  accepts_assumed=msg.accepts_assumed, constraint=constraint,
-                                 constrained_from=msg.constrained_from)
+                                 constrained_from=msg.constrained_from, prompt_len=msg.prompt_len or len(msg.prompt_ids),
+                                 min_tokens=msg.sampling.min_tokens,
+                                 min_tokens_banned=tuple(msg.sampling.min_tokens_banned_ids))
         if self._drafter.feature_layout is not None:
             sequence.features = SequenceFeatures(self._drafter.feature_layout)
         stream.sequences[msg.seq_id] = sequence
@@ -205,7 +207,11 @@ class DraftScheduler:
         if not 1 <= msg.k <= limits.max_k:
             raise InvalidUpdate("bad_k", f"k={msg.k} is not in [1, max_k={limits.max_k}]")
         self._check_token_ids(msg.prompt_ids)
-        if (problem := sampling.problem()) is not None:
+        self._check_token_ids(msg.sampling.min_tokens_banned_ids)
+        if msg.prompt_len > len(msg.prompt_ids):
+            raise InvalidUpdate("bad_prompt_len", f"prompt_len={msg.prompt_len} is past the {len(msg.prompt_ids)} "
+                                                  "tokens sent")
+        if (problem := sampling.problem(limits.vocab_size)) is not None:
             raise InvalidUpdate("bad_sampling", f"sampling.{problem.field} {problem.message}")
         if self._num_sequences >= limits.num_slots:
             raise InvalidUpdate("no_free_slot", f"all {limits.num_slots} slots are in use")

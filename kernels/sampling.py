@@ -14,7 +14,8 @@ p is built with sort-based torch ops on any device (as vLLM does); only the draw
 
 `Sampling` is a sequence's parameters, the one form both services carry from the request to
 these kernels: it says what greedy is, when verification needs the drafter's q', and which values
-are in range.
+are in range. It also holds the request's logits rules (penalties, logit_bias, allowed tokens,
+bad words), which logits_processors.py applies to the logits before p is built.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 2.0  # presence and frequency in [-2, 2], repetition in (0, 2], as in vLLM and OpenAI
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,13 @@ class Sampling:
     min_p: float = 0.0
     seed: int = 0  # non-negative int64, as the draws are keyed
     drafter_invariant: bool = False  # the drafter draws with the target's shared noise
+    # Rules on the logits before p (kernels/logits_processors.py), vLLM's definitions.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
+    allowed_token_ids: tuple[int, ...] = ()  # empty: every token
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token ids of each word, as the target tokenized it
 
     @property
     def greedy(self) -> bool:
@@ -65,8 +75,22 @@ class Sampling:
         """Rejection sampling needs q'; greedy and drafter-invariant verification need ids only."""
         return not self.greedy and not self.drafter_invariant
 
-    def problem(self) -> SamplingProblem | None:
-        """The first parameter processed_probs would refuse, or None."""
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Some rule changes the logits before p: a penalty, a bias, an allow list or bad words."""
+        return self.penalized or bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
+
+    @property
+    def reads_history(self) -> bool:
+        """Its logits rules read the tokens before each position: penalties and bad words."""
+        return self.penalized or bool(self.bad_words)
+
+    def problem(self, vocab_size: int | None = None) -> SamplingProblem | None:
+        """The first parameter the kernels would refuse, or None; vocab_size: also check token ids."""
         if not math.isfinite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             return SamplingProblem("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if self.top_k < 0:
@@ -75,6 +99,30 @@ class Sampling:
             return SamplingProblem("top_p", f"must be in (0, 1], got {self.top_p}")
         if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
             return SamplingProblem("min_p", f"must be in [0, 1], got {self.min_p}")
+        return self._rules_problem(vocab_size)
+
+    def _rules_problem(self, vocab_size: int | None) -> SamplingProblem | None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                return SamplingProblem(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if not math.isfinite(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_PENALTY:
+            return SamplingProblem("repetition_penalty", f"must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                return SamplingProblem("logit_bias", f"the bias of token {token} must be in "
+                                                     f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            return SamplingProblem("logit_bias", "names a token twice")
+        if any(not word for word in self.bad_words):
+            return SamplingProblem("bad_words", "a word has no tokens")
+        ids = {"logit_bias": [t for t, _ in self.logit_bias], "allowed_token_ids": self.allowed_token_ids,
+               "bad_words": [t for word in self.bad_words for t in word]}
+        for name, tokens in ids.items():
+            outside = [t for t in tokens if t < 0 or (vocab_size is not None and t >= vocab_size)]
+            if outside:
+                return SamplingProblem(name, f"token id {outside[0]} is outside the vocabulary"
+                                             + (f" of {vocab_size}" if vocab_size is not None else ""))
         return None
 
 

@@ -10,14 +10,26 @@ def open_message(seq: Sequence, k: int, accepts_assumed: bool) -> drafter_pb2.Se
 
     accepts_assumed: the target keeps pre-drafts (proposals that assume tokens) for it.
     """
-    o, s = seq.options, seq.options.sampling
-    sampling = drafter_pb2.DraftSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                         min_p=s.min_p, seed=s.seed, drafter_invariant=s.drafter_invariant)
-    message = drafter_pb2.SequenceOpen(seq_id=seq.seq_id, prompt_ids=seq.token_ids, sampling=sampling, k=k,
-                                       accepts_assumed=accepts_assumed)
+    o = seq.options
+    message = drafter_pb2.SequenceOpen(seq_id=seq.seq_id, prompt_ids=seq.token_ids, sampling=_sampling(seq), k=k,
+                                       accepts_assumed=accepts_assumed, prompt_len=len(seq.prompt_ids))
     if o.constraint is not None:
         message.structured_outputs.CopyFrom(o.constraint.to_proto())
         message.constrained_from = len(seq.prompt_ids)
+    return message
+
+
+def _sampling(seq: Sequence) -> drafter_pb2.DraftSampling:
+    s = seq.options.sampling
+    message = drafter_pb2.DraftSampling(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed,
+        drafter_invariant=s.drafter_invariant, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+        logit_bias=dict(s.logit_bias), allowed_token_ids=s.allowed_token_ids,
+        bad_words=[drafter_pb2.BadWord(token_ids=word) for word in s.bad_words])
+    if seq.options.min_tokens:
+        message.min_tokens = seq.options.min_tokens
+        message.min_tokens_banned_ids.extend(sorted(seq.stops.stop_token_ids))
     return message
 
 

@@ -36,7 +36,7 @@ class PlannedDrafts:
         seq = self.seq
         return VerifyItem(slot=seq.slot, length=len(seq.token_ids), last_token=seq.token_ids[-1],
                           drafts=self.drafts, sampling=seq.options.sampling, grammar=seq.grammar,
-                          stop_ban=seq.stop_ban())
+                          logits_context=seq.logits_context(self.drafts.tokens if self.drafts else ()))
 
 
 @dataclass(frozen=True, slots=True)

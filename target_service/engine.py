@@ -146,7 +146,7 @@ class Engine:
 
     async def _prefill(self, admitted: list[Sequence]) -> list[Verified]:
         items = [PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling, grammar=s.grammar,
-                             stop_ban=s.stop_ban()) for s in admitted]
+                             logits_context=s.logits_context()) for s in admitted]
         started = time.perf_counter()
         results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)

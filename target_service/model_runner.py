@@ -9,6 +9,10 @@ Structured output: a constrained sequence's k + 1 logits rows are masked by its 
 state, then after d1, d1 d2, ...) before p is built, so greedy picks, rejection sampling and the
 recovered and bonus tokens all use the target's constrained distribution. A draft the grammar
 forbids has p = 0 and is rejected. The masks are computed on their own thread during the forward.
+
+Logits rules (penalties, logit_bias, allowed tokens, bad words, the min_tokens ban): an item with a
+logits context has its rows processed the same way, row i counting d1..di as generated
+(kernels/logits_processors.py), so p at every row is what the target alone samples from.
 """
 from __future__ import annotations
 
@@ -21,11 +25,11 @@ import torch
 from kernels.bitmask import allowed_tokens, apply_forbidden, apply_token_bitmask
 from kernels.compression import CompressedProbs, concat, no_probs
 from kernels.gumbel import verify_invariant
+from kernels.logits_processors import LogitsContext, process_logits
 from kernels.rejection import rejection_sample
 from kernels.sampling import Sampling, probs_of, sample
 from target_service.drafts import UsableDrafts
 from target_service.metrics import TargetMetrics
-from target_service.sequence import StopBan
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
 from tandem.structured import TokenMasker
@@ -38,7 +42,7 @@ class PrefillItem:
     prompt_ids: list[int]
     sampling: Sampling
     grammar: Matcher | None = None
-    stop_ban: StopBan | None = None
+    logits_context: LogitsContext | None = None  # penalties, bans, biases: None when none applies
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +53,7 @@ class VerifyItem:
     drafts: UsableDrafts | None
     sampling: Sampling
     grammar: Matcher | None = None
-    stop_ban: StopBan | None = None
+    logits_context: LogitsContext | None = None  # its drafts are the context's: row i follows d1..di
 
     @property
     def num_drafts(self) -> int:
@@ -92,7 +96,7 @@ class ModelRunner:
         masks = self._start_masks([(i.grammar, ()) for i in items])
         logits, features = self._forward(chunks, capture)  # [B, vocab]
         self._apply_masks(logits, masks)
-        _ban_stops(logits, [(i.stop_ban, 1) for i in items])
+        _process_logits(logits, [(b, i) for b, i in enumerate(items)])
         tokens = [0] * len(items)
         greedy = [b for b, i in enumerate(items) if i.sampling.greedy]
         sampled = [b for b, i in enumerate(items) if not i.sampling.greedy]
@@ -120,7 +124,7 @@ class ModelRunner:
         masks = self._start_masks([(i.grammar, i.drafts.tokens if i.drafts else ()) for i in items])
         logits, features = self._forward(chunks, capture)  # [sum(k_i + 1), vocab]
         self._apply_masks(logits, masks)
-        _ban_stops(logits, [(i.stop_ban, i.num_drafts + 1) for i in items])
+        _process_logits(logits, list(zip(self._first_rows(items), items)))
         results: list[Verified | None] = [None] * len(items)
         greedy = [b for b, i in enumerate(items) if i.sampling.greedy]
         rows = self._rows_of(items, greedy)
@@ -226,11 +230,17 @@ class ModelRunner:
 
     def _rows_of(self, items: list[VerifyItem], group: list[int]) -> list[int]:
         """The logits rows of the items in group: k + 1 per item."""
+        starts = self._first_rows(items)
+        return [r for b in group for r in range(starts[b], starts[b] + items[b].num_drafts + 1)]
+
+    @staticmethod
+    def _first_rows(items: list[VerifyItem]) -> list[int]:
+        """Each item's first logits row: the rows before it are k + 1 per item."""
         starts, offset = [], 0
         for item in items:
             starts.append(offset)
             offset += item.num_drafts + 1
-        return [r for b in group for r in range(starts[b], starts[b] + items[b].num_drafts + 1)]
+        return starts
 
     def _seeds(self, samplings: list[Sampling]) -> torch.Tensor:
         return self._long([s.seed for s in samplings])
@@ -249,14 +259,11 @@ def verify_greedy(drafts: tuple[int, ...], targets: list[int]) -> Verified:
     return Verified(tokens=[*drafts[:accepted], targets[accepted]], num_accepted=accepted)
 
 
-def _ban_stops(logits: torch.Tensor, bans: list[tuple[StopBan | None, int]]) -> None:
-    """In place, logits [rows, vocab]: each item's (ban, rows it owns), in order; a ban covers the
-    item's first ban.rows positions, so that drafts past min_tokens may still be EOS."""
-    offset = 0
-    for ban, rows in bans:
-        if ban is not None:
-            logits[offset : offset + min(ban.rows, rows), list(ban.token_ids)] = float("-inf")
-        offset += rows
+def _process_logits(logits: torch.Tensor, items: list[tuple[int, PrefillItem | VerifyItem]]) -> None:
+    """In place, logits [rows, vocab]: the rules of each item with a logits context, from its first row on."""
+    ruled = [(first, i.sampling, i.logits_context) for first, i in items if i.logits_context is not None]
+    if ruled:
+        process_logits(logits, ruled)
 
 
 def _unpack(tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[Verified]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import logging
 
+from kernels.logits_processors import LogitsContext
 from kernels.sampling import Sampling
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.structured import Constraint
@@ -33,14 +34,6 @@ class RequestOptions:
     constraint: Constraint | None = None  # structured output: the grammar every generated token follows
     min_tokens: int = 0  # no stop token or stop string ends the sequence before this many tokens
     include_stop_str_in_output: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class StopBan:
-    """Tokens the next `rows` positions may not emit (min_tokens): logits -inf there, on the target."""
-
-    token_ids: tuple[int, ...]
-    rows: int
 
 
 class SequenceStatus(enum.Enum):
@@ -156,10 +149,16 @@ class Sequence:
         """Past min_tokens: a stop string in the text just generated ends the sequence (vLLM's rule)."""
         return self.num_generated > self.options.min_tokens
 
-    def stop_ban(self) -> StopBan | None:
-        """EOS and the stop tokens, banned from the next positions until min_tokens is reached."""
-        rows = self.options.min_tokens - self.num_generated
-        return StopBan(tuple(sorted(self.stops.stop_token_ids)), rows) if rows > 0 else None
+    def logits_context(self, drafts: tuple[int, ...] = ()) -> LogitsContext | None:
+        """What the logits rules of the next positions read (the tokens before them, and EOS and the
+        stop tokens banned until min_tokens is reached); None when no rule applies."""
+        sampling = self.options.sampling
+        ban_rows = self.options.min_tokens - self.num_generated
+        if not sampling.processes_logits and ban_rows <= 0:
+            return None
+        banned = tuple(sorted(self.stops.stop_token_ids)) if ban_rows > 0 else ()
+        history = tuple(self.token_ids) if sampling.reads_history else ()
+        return LogitsContext(history, len(self.prompt_ids), drafts, banned, max(ban_rows, 0))
 
     def _advance_grammar(self, token: int) -> bool:
         """Feed the token to the grammar; True once the grammar allows nothing more (it is complete).

@@ -1,6 +1,8 @@
 """A GenerateRequest, checked field by field: prompt ids and RequestOptions, or INVALID_ARGUMENT."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 from google.protobuf.message import DecodeError, Message
 
@@ -16,6 +18,7 @@ from tandem.v1 import generation_pb2
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SPECULATIVE_TOKENS = 16
+MAX_BAD_WORDS = 128
 _SEED_MASK = (1 << 63) - 1  # seeds travel as uint64; the kernels key on non-negative int64
 UINT64_MASK = 2**64 - 1  # a front door's signed seed (int32, int64) as the uint64 a request carries
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -55,15 +58,15 @@ def _chat_ids(chat: generation_pb2.ChatMessages, tokenizer: Tokenizer) -> list[i
 
 
 def sampling_options(
-    params: generation_pb2.SamplingParams, prompt_len: int, config: TargetConfig, vocab_size: int,
-    input_field: str = "prompt",
+    params: generation_pb2.SamplingParams, prompt_len: int, config: TargetConfig, tokenizer: Tokenizer,
+    vocab_size: int, input_field: str = "prompt",
 ) -> RequestOptions:
     """input_field: the request's input (prompt, prompt_token_ids or chat), named when it leaves no room."""
     room = config.max_model_len - prompt_len
     if room < 1:
         raise invalid(input_field, f"has {prompt_len} tokens; max_model_len is {config.max_model_len}, "
                                 "which leaves no room to generate")
-    sampling = _sampling(params, vocab_size)
+    sampling = _sampling(params, tokenizer, vocab_size)
     max_tokens = params.max_tokens if params.HasField("max_tokens") else room
     if max_tokens < 1:
         raise invalid("max_tokens", "must be at least 1")
@@ -73,6 +76,7 @@ def sampling_options(
     _check_stops(params, vocab_size)
     constraint = _constraint(params)
     _check_min_tokens(params, max_tokens, constraint)
+    _check_rules_with_constraint(sampling, constraint)
     k = params.num_speculative_tokens if params.HasField("num_speculative_tokens") else config.num_speculative_tokens
     if k > MAX_SPECULATIVE_TOKENS:
         raise invalid("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}")
@@ -99,7 +103,17 @@ def _check_min_tokens(params: generation_pb2.SamplingParams, max_tokens: int, co
                                     "or response_format) yet: the grammar may end the output first; leave it 0")
 
 
-def _sampling(params: generation_pb2.SamplingParams, vocab_size: int) -> Sampling:
+def _check_rules_with_constraint(sampling: Sampling, constraint: Constraint | None) -> None:
+    """An allow list or bad words could forbid every token the grammar allows, and leave nothing to sample."""
+    if constraint is None:
+        return
+    for name in ("allowed_token_ids", "bad_words"):
+        if getattr(sampling, name):
+            raise invalid(name, "is not supported with a structured-output constraint (structured_outputs or "
+                                "response_format): together they may allow no token; leave it empty")
+
+
+def _sampling(params: generation_pb2.SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> Sampling:
     """Unset fields take vLLM's defaults; a top_k past the vocabulary is off; no seed draws a fresh one."""
     sampling = Sampling(
         temperature=params.temperature if params.HasField("temperature") else 1.0,
@@ -108,10 +122,36 @@ def _sampling(params: generation_pb2.SamplingParams, vocab_size: int) -> Samplin
         min_p=params.min_p if params.HasField("min_p") else 0.0,
         seed=(params.seed & _SEED_MASK) if params.HasField("seed") else fresh_seed(),
         drafter_invariant=params.drafter_invariant,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(params.logit_bias.items())),
+        allowed_token_ids=tuple(params.allowed_token_ids),
+        bad_words=_bad_words(params.bad_words, tokenizer),
     )
-    if (problem := sampling.problem()) is not None:
+    if (problem := sampling.problem(vocab_size)) is not None:
         raise invalid(problem.field, problem.message)
     return sampling
+
+
+def _bad_words(words: Iterable[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Each word's token ids as vLLM finds them: the word without leading spaces, and after a space when
+    that spelling starts with another token but has as many tokens."""
+    words = list(words)
+    if len(words) > MAX_BAD_WORDS:
+        raise invalid("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(words)}")
+    found: list[tuple[int, ...]] = []
+    for index, word in enumerate(words):
+        if len(word) > MAX_STOP_STRING_CHARS:
+            raise invalid(f"bad_words[{index}]", f"must have at most {MAX_STOP_STRING_CHARS} characters")
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            raise invalid(f"bad_words[{index}]", "encodes to no tokens")
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        found.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            found.append(spaced)
+    return tuple(found)
 
 
 def _constraint(params: generation_pb2.SamplingParams) -> Constraint | None:
@@ -142,7 +182,8 @@ def validate_request(
     if request.model and request.model != model_name:
         raise invalid("model", f"{request.model!r} is not served here; this server serves {model_name!r}")
     ids = prompt_ids_of(request, tokenizer, vocab_size)
-    return ids, sampling_options(request.sampling_params, len(ids), config, vocab_size, request.WhichOneof("input"))
+    return ids, sampling_options(request.sampling_params, len(ids), config, tokenizer, vocab_size,
+                                 request.WhichOneof("input"))
 
 
 GENERATE_METHOD = "/tandem.v1.Generation/Generate"

@@ -29,6 +29,7 @@ from draft_service.drafters.kv_slots import SlotState, SlotTable, common_prefix_
 from draft_service.metrics import DraftMetrics
 from kernels.bitmask import allowed_tokens
 from kernels.compression import CompressedProbs, encode, point_mass, sample_compressed
+from kernels.logits_processors import process_logits
 from kernels.sampling import Sampling, probs_of, sample
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
@@ -157,6 +158,12 @@ class Row:
         return self.job.base_len + len(self.token_ids)
 
     @property
+    def context(self) -> list[int]:
+        """The tokens its current logits follow."""
+        guessed = [] if self.guessed_next is None else [self.guessed_next]
+        return self.job.tokens + guessed + self.token_ids
+
+    @property
     def last_token(self) -> int:
         return self.token_ids[-1] if self.token_ids else self.guessed_next
 
@@ -243,6 +250,7 @@ class ModelDrafter:
         """One token per row from its logits [len(rows), V]: a guess at the bonus token, or a draft."""
         forced = self._take_forced(rows)
         self._mask(rows, logits, forced)
+        self._process(rows, logits, forced)
         guessing = [i for i, row in enumerate(rows) if row.guessing and not row.blocked and i not in forced]
         drawing = [i for i, row in enumerate(rows) if not row.guessing and not row.blocked and i not in forced]
         if guessing:
@@ -299,6 +307,30 @@ class ModelDrafter:
         for n, (i, any_allowed) in enumerate(zip(constrained, allowed.any(dim=1).tolist())):
             logits[i].masked_fill_(forbidden[n], float("-inf"))
             rows[i].blocked |= not any_allowed
+
+    def _process(self, rows: list[Row], logits: torch.Tensor, forced: set[int]) -> None:
+        """In place: the target's logits rules (penalties, bias, bans) on the rows whose request has
+        them, each counting its own drafts, so that drafts and q' guess the target's p. A reduced
+        head's rows are processed over the whole vocabulary, -inf outside the head. A row the rules
+        leave no token is blocked."""
+        ruled = []
+        for i, row in enumerate(rows):
+            if not row.blocked and i not in forced:
+                context = row.job.sequence.logits_context(row.context)
+                if context is not None:
+                    ruled.append((i, row.job.sequence.sampling, context))
+        if not ruled:
+            return
+        index = torch.tensor([i for i, _, _ in ruled], device=logits.device)
+        if self.draft_vocab is None:
+            process_logits(logits, ruled)
+        else:
+            full = logits.new_full((len(ruled), self.draft_vocab.vocab_size), float("-inf"))  # [R, V]
+            full[:, self.draft_vocab.ids] = logits[index]
+            process_logits(full, [(n, sampling, context) for n, (_, sampling, context) in enumerate(ruled)])
+            logits[index] = full[:, self.draft_vocab.ids]
+        for (i, _, _), alive in zip(ruled, torch.isfinite(logits[index]).any(dim=1).tolist()):
+            rows[i].blocked |= not alive
 
     def _catch_up(self, rows: list[Row]) -> torch.Tensor:
         """Feed each job's tokens that its slot lacks; logits [B, V] at each last position."""

@@ -25,31 +25,37 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import structured_pb2 as tandem_dot_v1_dot_structured__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/drafter.proto\x12\ttandem.v1\x1a\x1atandem/v1/structured.proto\"\x14\n\x12\x44rafterInfoRequest\"\xb4\x01\n\x0b\x44rafterInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\r\n\x05max_k\x18\x04 \x01(\r\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x13\n\x0bprobs_top_k\x18\x06 \x01(\r\x12\x15\n\rhidden_layers\x18\x07 \x03(\r\x12\x1a\n\x12target_hidden_size\x18\x08 \x01(\r\"z\n\rDraftSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x19\n\x11\x64rafter_invariant\x18\x06 \x01(\x08\"\xd6\x01\n\x0cSequenceOpen\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.tandem.v1.DraftSampling\x12\t\n\x01k\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pts_assumed\x18\x05 \x01(\x08\x12\x38\n\x12structured_outputs\x18\x06 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x18\n\x10\x63onstrained_from\x18\x07 \x01(\r\"\x85\x01\n\x0eSequenceExtend\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rhidden_states\x18\x04 \x01(\x0c\x12\x14\n\x0chidden_start\x18\x05 \x01(\r\x12\x0e\n\x01k\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x04\n\x02_k\"\x1f\n\rSequenceClose\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"\x8c\x01\n\x0cTargetUpdate\x12&\n\x05opens\x18\x01 \x03(\x0b\x32\x17.tandem.v1.SequenceOpen\x12*\n\x07\x65xtends\x18\x02 \x03(\x0b\x32\x19.tandem.v1.SequenceExtend\x12(\n\x06\x63loses\x18\x03 \x03(\x0b\x32\x18.tandem.v1.SequenceClose\"}\n\rDraftProposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\r\n\x05probs\x18\x04 \x01(\x0c\x12\x13\n\x0bprobs_top_k\x18\x05 \x01(\r\x12\x13\n\x0b\x61ssumed_ids\x18\x06 \x03(\r\"T\n\x0e\x44raftProposals\x12+\n\tproposals\x18\x01 \x03(\x0b\x32\x18.tandem.v1.DraftProposal\x12\x15\n\rdraft_time_ns\x18\x02 \x01(\x04\x32\x8d\x01\n\x07\x44rafter\x12=\n\x04Info\x12\x1d.tandem.v1.DrafterInfoRequest\x1a\x16.tandem.v1.DrafterInfo\x12\x43\n\tSpeculate\x12\x17.tandem.v1.TargetUpdate\x1a\x19.tandem.v1.DraftProposals(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/drafter.proto\x12\ttandem.v1\x1a\x1atandem/v1/structured.proto\"\x14\n\x12\x44rafterInfoRequest\"\xb4\x01\n\x0b\x44rafterInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\r\n\x05max_k\x18\x04 \x01(\r\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x13\n\x0bprobs_top_k\x18\x06 \x01(\r\x12\x15\n\rhidden_layers\x18\x07 \x03(\r\x12\x1a\n\x12target_hidden_size\x18\x08 \x01(\r\"\xaf\x03\n\rDraftSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x19\n\x11\x64rafter_invariant\x18\x06 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12;\n\nlogit_bias\x18\n \x03(\x0b\x32\'.tandem.v1.DraftSampling.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0b \x03(\r\x12%\n\tbad_words\x18\x0c \x03(\x0b\x32\x12.tandem.v1.BadWord\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x1d\n\x15min_tokens_banned_ids\x18\x0e \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x1c\n\x07\x42\x61\x64Word\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xea\x01\n\x0cSequenceOpen\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.tandem.v1.DraftSampling\x12\t\n\x01k\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pts_assumed\x18\x05 \x01(\x08\x12\x38\n\x12structured_outputs\x18\x06 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x18\n\x10\x63onstrained_from\x18\x07 \x01(\r\x12\x12\n\nprompt_len\x18\x08 \x01(\r\"\x85\x01\n\x0eSequenceExtend\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rhidden_states\x18\x04 \x01(\x0c\x12\x14\n\x0chidden_start\x18\x05 \x01(\r\x12\x0e\n\x01k\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x04\n\x02_k\"\x1f\n\rSequenceClose\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"\x8c\x01\n\x0cTargetUpdate\x12&\n\x05opens\x18\x01 \x03(\x0b\x32\x17.tandem.v1.SequenceOpen\x12*\n\x07\x65xtends\x18\x02 \x03(\x0b\x32\x19.tandem.v1.SequenceExtend\x12(\n\x06\x63loses\x18\x03 \x03(\x0b\x32\x18.tandem.v1.SequenceClose\"}\n\rDraftProposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\r\n\x05probs\x18\x04 \x01(\x0c\x12\x13\n\x0bprobs_top_k\x18\x05 \x01(\r\x12\x13\n\x0b\x61ssumed_ids\x18\x06 \x03(\r\"T\n\x0e\x44raftProposals\x12+\n\tproposals\x18\x01 \x03(\x0b\x32\x18.tandem.v1.DraftProposal\x12\x15\n\rdraft_time_ns\x18\x02 \x01(\x04\x32\x8d\x01\n\x07\x44rafter\x12=\n\x04Info\x12\x1d.tandem.v1.DrafterInfoRequest\x1a\x16.tandem.v1.DrafterInfo\x12\x43\n\tSpeculate\x12\x17.tandem.v1.TargetUpdate\x1a\x19.tandem.v1.DraftProposals(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DRAFTSAMPLING_LOGITBIASENTRY']._loaded_options = None
+  _globals['_DRAFTSAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_DRAFTERINFOREQUEST']._serialized_start=66
   _globals['_DRAFTERINFOREQUEST']._serialized_end=86
   _globals['_DRAFTERINFO']._serialized_start=89
   _globals['_DRAFTERINFO']._serialized_end=269
-  _globals['_DRAFTSAMPLING']._serialized_start=271
-  _globals['_DRAFTSAMPLING']._serialized_end=393
-  _globals['_SEQUENCEOPEN']._serialized_start=396
-  _globals['_SEQUENCEOPEN']._serialized_end=610
-  _globals['_SEQUENCEEXTEND']._serialized_start=613
-  _globals['_SEQUENCEEXTEND']._serialized_end=746
-  _globals['_SEQUENCECLOSE']._serialized_start=748
-  _globals['_SEQUENCECLOSE']._serialized_end=779
-  _globals['_TARGETUPDATE']._serialized_start=782
-  _globals['_TARGETUPDATE']._serialized_end=922
-  _globals['_DRAFTPROPOSAL']._serialized_start=924
-  _globals['_DRAFTPROPOSAL']._serialized_end=1049
-  _globals['_DRAFTPROPOSALS']._serialized_start=1051
-  _globals['_DRAFTPROPOSALS']._serialized_end=1135
-  _globals['_DRAFTER']._serialized_start=1138
-  _globals['_DRAFTER']._serialized_end=1279
+  _globals['_DRAFTSAMPLING']._serialized_start=272
+  _globals['_DRAFTSAMPLING']._serialized_end=703
+  _globals['_DRAFTSAMPLING_LOGITBIASENTRY']._serialized_start=655
+  _globals['_DRAFTSAMPLING_LOGITBIASENTRY']._serialized_end=703
+  _globals['_BADWORD']._serialized_start=705
+  _globals['_BADWORD']._serialized_end=733
+  _globals['_SEQUENCEOPEN']._serialized_start=736
+  _globals['_SEQUENCEOPEN']._serialized_end=970
+  _globals['_SEQUENCEEXTEND']._serialized_start=973
+  _globals['_SEQUENCEEXTEND']._serialized_end=1106
+  _globals['_SEQUENCECLOSE']._serialized_start=1108
+  _globals['_SEQUENCECLOSE']._serialized_end=1139
+  _globals['_TARGETUPDATE']._serialized_start=1142
+  _globals['_TARGETUPDATE']._serialized_end=1282
+  _globals['_DRAFTPROPOSAL']._serialized_start=1284
+  _globals['_DRAFTPROPOSAL']._serialized_end=1409
+  _globals['_DRAFTPROPOSALS']._serialized_start=1411
+  _globals['_DRAFTPROPOSALS']._serialized_end=1495
+  _globals['_DRAFTER']._serialized_start=1498
+  _globals['_DRAFTER']._serialized_end=1639
 # @@protoc_insertion_point(module_scope)

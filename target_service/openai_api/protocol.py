@@ -3,7 +3,7 @@
 The models declare every field a request may carry: OpenAI's names and vLLM's extensions side by
 side, and Tandem's own (`speculate`, `num_speculative_tokens`, `drafter_invariant`), the way vLLM
 takes its extensions. A field nobody declared is refused (OpenAI's own API does the same); a field
-declared but not served yet (logprobs, penalties, n > 1, logit_bias, tools) is taken only at the
+declared but not served yet (logprobs, n > 1, tools) is taken only at the
 value that turns it off. Value ranges are the engine's to check (validation.py), once for every
 front door.
 """
@@ -98,6 +98,12 @@ class _Request(_Body):
     skip_special_tokens: bool = True
     min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX)
     include_stop_str_in_output: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token ids as strings, OpenAI's JSON shape
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     request_id: str | None = None
@@ -110,10 +116,6 @@ class _Request(_Body):
     n: Any = None
     logprobs: Any = None
     top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
     prompt_logprobs: Any = None
 
 
@@ -155,9 +157,7 @@ class DetokenizeRequest(_Body):
 
 # The value of each unserved field that asks for nothing; `None` (unset) always does too.
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
-    "prompt_logprobs": (), "tools": (), "tool_choice": ("none",),
+    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "prompt_logprobs": (), "tools": (), "tool_choice": ("none",),
     "parallel_tool_calls": (), "functions": (), "function_call": ("none",), "add_generation_prompt": (True,),
     "continue_final_message": (False,), "add_special_tokens": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "echo": (False,), "best_of": (1,), "suffix": (),
@@ -240,8 +240,12 @@ def sampling_params(body: _Request, max_tokens: int | None) -> generation_pb2.Sa
         drafter_invariant=body.drafter_invariant,
         min_tokens=body.min_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        logit_bias=_logit_bias(body.logit_bias or {}),
+        allowed_token_ids=_token_ids("allowed_token_ids", body.allowed_token_ids or []),
+        bad_words=body.bad_words or [],
     )
-    for name in ("temperature", "top_p", "min_p", "speculate", "num_speculative_tokens"):
+    for name in ("temperature", "top_p", "min_p", "speculate", "num_speculative_tokens", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
         value = getattr(body, name)
         if value is not None:
             setattr(params, name, value)
@@ -253,6 +257,16 @@ def sampling_params(body: _Request, max_tokens: int | None) -> generation_pb2.Sa
     if constraint is not None:
         params.structured_outputs.CopyFrom(constraint)
     return params
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's {"token id": bias} with the ids as numbers."""
+    ids = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or int(key) > UINT32_MAX:
+            raise ProtocolError("logit_bias", f"key {key!r} is not a token id")
+        ids[int(key)] = value
+    return ids
 
 
 def _token_ids(param: str, ids: list[int]) -> list[int]:

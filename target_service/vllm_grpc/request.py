@@ -1,9 +1,9 @@
 """vLLM's gRPC GenerateRequest (`vllm.grpc.engine`, from smg-grpc-proto) as the engine's GenerateRequest.
 
 Every SamplingParams field maps onto ours or, when it asks for what Tandem does not serve yet
-(logprobs, penalties, n > 1, logit_bias, ...), is refused with INVALID_ARGUMENT naming it. Unset
-and zero values mean what the gateway means by them: temperature unset is 1.0, top_p 0 is 1.0,
-top_k 0 is off, max_tokens unset fills the context.
+(logprobs, n > 1, ...), is refused with INVALID_ARGUMENT naming it. Unset and zero values mean
+what the gateway means by them: temperature unset is 1.0, top_p 0 is 1.0, top_k 0 is off,
+repetition_penalty 0 is off, max_tokens unset fills the context.
 """
 from __future__ import annotations
 
@@ -55,7 +55,12 @@ def sampling_params(params: vllm_engine_pb2.SamplingParams) -> generation_pb2.Sa
         skip_special_tokens=params.skip_special_tokens,
         min_tokens=params.min_tokens,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=_logit_bias(params),
     )
+    if params.repetition_penalty:
+        ours.repetition_penalty = params.repetition_penalty
     if params.HasField("temperature"):
         ours.temperature = params.temperature
     if params.top_p:
@@ -77,18 +82,19 @@ def _refuse_unserved(params: vllm_engine_pb2.SamplingParams) -> None:
     first shapes only text, which this protocol does not carry (the gateway detokenizes); the
     second asks for what this engine always does, a constraint from the first generated token."""
     field = "sampling_params."
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(params, name):
-            raise _refuse(field + name, f"{getattr(params, name):g} is not supported yet; leave it 0")
-    if params.repetition_penalty not in (0.0, 1.0):
-        raise _refuse(field + "repetition_penalty", f"{params.repetition_penalty:g} is not supported yet; leave it 1")
     if params.n > 1:
         raise _refuse(field + "n", f"{params.n} is not supported yet; one sample per request")
     for name in ("logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
         if params.HasField(name):
             raise _refuse(field + name)
-    if params.logit_bias:
-        raise _refuse(field + "logit_bias")
+
+
+def _logit_bias(params: vllm_engine_pb2.SamplingParams) -> dict[int, float]:
+    """Their int32 keys as our token ids; a negative one names no token."""
+    negative = [token for token in params.logit_bias if token < 0]
+    if negative:
+        raise invalid("sampling_params.logit_bias", f"key {negative[0]} is not a token id")
+    return dict(params.logit_bias)
 
 
 def _constraint(params: vllm_engine_pb2.SamplingParams) -> structured_pb2.StructuredOutputs | None:

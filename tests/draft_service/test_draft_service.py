@@ -93,9 +93,10 @@ async def speculate(server: ServiceProcess):
         call.cancel()
 
 
-def _open(seq_id: int, prompt: list[int], k: int = K, accepts_assumed: bool = False, **sampling) -> pb.SequenceOpen:
+def _open(seq_id: int, prompt: list[int], k: int = K, accepts_assumed: bool = False, prompt_len: int = 0,
+          **sampling) -> pb.SequenceOpen:
     return pb.SequenceOpen(seq_id=seq_id, prompt_ids=prompt, k=k, sampling=pb.DraftSampling(**sampling),
-                           accepts_assumed=accepts_assumed)
+                           accepts_assumed=accepts_assumed, prompt_len=prompt_len)
 
 
 def _extend(seq_id: int, start: int, token_ids: list[int]) -> pb.SequenceExtend:
@@ -276,7 +277,8 @@ async def test_info_answers_while_a_round_runs(model_server):
 
 
 def _invalid(server: ServiceProcess) -> dict[str, float]:
-    reasons = ("unknown_seq", "prompt_too_long", "bad_k", "bad_token_id", "bad_sampling", "no_free_slot", "duplicate_seq")
+    reasons = ("unknown_seq", "prompt_too_long", "bad_k", "bad_token_id", "bad_sampling", "no_free_slot", "duplicate_seq",
+               "bad_prompt_len")
     return {r: _metric(server, "tandem_draft_invalid_updates_total", reason=r) for r in reasons}
 
 
@@ -287,7 +289,9 @@ async def test_bad_updates_are_counted_and_skipped(model_server, reference):
     async with speculate(model_server) as stream:
         await stream.send(
             opens=[_open(1, [5] * (MAX_MODEL_LEN + 1)), _open(2, prompt, k=MAX_K + 1), _open(3, prompt + [vocab]),
-                   _open(5, prompt, temperature=1.0, top_p=1.5)],
+                   _open(5, prompt, temperature=1.0, top_p=1.5), _open(6, prompt, logit_bias={vocab: 1.0}),
+                   _open(7, prompt, repetition_penalty=2.5), _open(8, prompt, prompt_len=len(prompt) + 1),
+                   _open(9, prompt, min_tokens=2, min_tokens_banned_ids=[vocab])],
             extends=[_extend(77, 0, [1])],
         )
         await stream.send(extends=[_extend(1, 3, [5])], closes=[2])  # refused earlier: ignored, not counted again
@@ -299,8 +303,8 @@ async def test_bad_updates_are_counted_and_skipped(model_server, reference):
         assert second.token_ids[: K - 1] == first.token_ids[1:]  # greedy drafting went on from the good token
     after = _invalid(model_server)
     assert {r: after[r] - before[r] for r in after} == {
-        "unknown_seq": 1, "prompt_too_long": 1, "bad_k": 1, "bad_token_id": 2, "bad_sampling": 1, "no_free_slot": 0,
-        "duplicate_seq": 0}
+        "unknown_seq": 1, "prompt_too_long": 1, "bad_k": 1, "bad_token_id": 3, "bad_sampling": 3, "no_free_slot": 0,
+        "duplicate_seq": 0, "bad_prompt_len": 1}
 
 
 async def test_every_open_and_extend_is_answered_even_with_nothing(model_server, reference):

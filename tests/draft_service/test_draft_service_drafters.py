@@ -12,6 +12,7 @@ from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter, lookup
 from draft_service.server import model_vocab_size
 from kernels.compression import ONE, encode, sample_compressed, unpack
+from kernels.logits_processors import process_logits
 from kernels.sampling import Sampling, processed_probs, sample
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk
@@ -221,3 +222,31 @@ def test_the_ngram_drafter_reports_the_models_logits_width(tmp_path, smollm2_pat
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert model_vocab_size(tmp_path, tokenizer) == 49408
     assert model_vocab_size(smollm2_path, tokenizer) == tokenizer.vocab_size == 49152
+
+
+def _greedy_with_rules(model, sequence: DraftSequence, steps: int) -> list[int]:
+    """The target's rule, one token at a time: logits processed with every token before the position."""
+    tokens = list(sequence.tokens)
+    for _ in range(steps):
+        logits = model.run([SequenceChunk(slot=0, start=0, token_ids=tokens)]).clone()  # [1, V]
+        process_logits(logits, [(0, sequence.sampling, sequence.logits_context(tokens))])
+        tokens.append(int(logits.argmax()))
+    return tokens[len(sequence.tokens):]
+
+
+@pytest.mark.parametrize("sampling, min_tokens", [
+    (Sampling(repetition_penalty=0.5, frequency_penalty=-2.0, presence_penalty=-2.0), 0),  # repeat: it bites
+    (Sampling(logit_bias=((3, 40.0),), bad_words=((3, 3),)), 0),
+    (Sampling(allowed_token_ids=(1, 2, 3, 4, 5, 6)), 3),
+])
+def test_greedy_drafts_follow_the_requests_logits_rules(drafter, reference, sampling, min_tokens):
+    """Each draft position counts the drafts before it, as the target's verify rows do, so greedy
+    drafts are what the drafter's model emits under the request's penalties, bias and bans."""
+    prompt = _prompt(10, 6)
+    sequence = _open(drafter, 1, prompt, k=6, sampling=sampling)
+    sequence.prompt_len, sequence.min_tokens, sequence.min_tokens_banned = len(prompt), min_tokens, (4, 5)
+    drafts = _draft_one(drafter, sequence).token_ids
+    assert drafts == _greedy_with_rules(reference, sequence, 6)
+    assert drafts != greedy_generate(reference, prompt, 6)
+    if min_tokens:
+        assert not {4, 5} & set(drafts[:min_tokens]) and set(drafts) <= set(sampling.allowed_token_ids)

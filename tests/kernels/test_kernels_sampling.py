@@ -121,6 +121,33 @@ def test_a_sampling_out_of_range_names_its_field(params, field):
     assert Sampling(temperature=1.0, top_k=5, top_p=0.5, min_p=0.1).problem() is None
 
 
+@pytest.mark.parametrize("params, field", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"frequency_penalty": math.nan}, "frequency_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 2.5}, "repetition_penalty"), ({"logit_bias": ((3, 100.5),)}, "logit_bias"),
+    ({"logit_bias": ((3, 1.0), (3, 2.0))}, "logit_bias"), ({"logit_bias": ((50, 1.0),)}, "logit_bias"),
+    ({"allowed_token_ids": (1, 50)}, "allowed_token_ids"), ({"bad_words": ((1, 2), ())}, "bad_words"),
+    ({"bad_words": ((1, 99),)}, "bad_words"),
+])
+def test_logits_rules_out_of_range_name_their_field(params, field):
+    assert Sampling(**params).problem(vocab_size=50).field == field
+    fine = Sampling(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=2.0, logit_bias=((49, -100.0),),
+                    allowed_token_ids=(0, 49), bad_words=((1, 2), (3,)))
+    assert fine.problem(vocab_size=50) is None and fine.processes_logits and fine.reads_history
+
+
+@pytest.mark.parametrize("sampling, penalized, processes_logits, reads_history", [
+    (Sampling(), False, False, False),
+    (Sampling(repetition_penalty=1.1), True, True, True),
+    (Sampling(logit_bias=((1, 1.0),)), False, True, False),
+    (Sampling(allowed_token_ids=(1,)), False, True, False),
+    (Sampling(bad_words=((1,),)), False, True, True),
+])
+def test_which_rules_read_the_tokens_before_each_position(sampling, penalized, processes_logits, reads_history):
+    assert (sampling.penalized, sampling.processes_logits, sampling.reads_history) == (
+        penalized, processes_logits, reads_history)
+
+
 @pytest.mark.parametrize("sampling, greedy, needs_draft_probs", [
     (Sampling(), True, False),
     (Sampling(temperature=9e-6), True, False),

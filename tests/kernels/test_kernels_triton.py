@@ -37,6 +37,13 @@ from kernels.random import (
     tl_race_weights,
     tl_random_bits,
 )
+from kernels.penalties import (
+    RowPenalties,
+    apply_penalties,
+    apply_penalties_reference,
+    apply_penalties_triton,
+    penalty_entries,
+)
 from kernels.rejection import rejection_sample_reference, rejection_sample_triton
 from kernels.sampling import sample_reference, sample_triton
 
@@ -211,6 +218,31 @@ def test_verify_invariant_kernel(device, vocab):
     assert torch.equal(result.num_accepted.cpu(), expected.num_accepted)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [1, 999, 4097, 49152])
+def test_penalty_kernel(device, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 6
+    logits = 5 * torch.randn(rows, vocab, generator=gen)
+    num = 700
+    entries = penalty_entries(torch.randint(0, rows, (num,), generator=gen), torch.randint(0, vocab, (num,), generator=gen),
+                              torch.rand(num, generator=gen) < 0.6, vocab)
+    penalties = RowPenalties(torch.tensor([0.0, 0.5, -1.25, 2.0, 0.1, -2.0]),
+                             torch.tensor([0.3, 0.0, 1.7, -0.6, 2.0, 0.05]),
+                             torch.tensor([1.0, 1.3, 0.7, 2.0, 1.0001, 0.01]))
+    expected = logits.clone()
+    apply_penalties_reference(expected, entries, penalties, 1.0 / penalties.repetition)
+    if device == "cpu":
+        got = logits.clone()
+        apply_penalties_triton(got, entries, penalties, 1.0 / penalties.repetition)
+    else:
+        got = logits.cuda()
+        apply_penalties(got, type(entries)(*(t.cuda() for t in (entries.rows, entries.tokens, entries.counts))),
+                        RowPenalties(*(t.cuda() for t in (penalties.presence, penalties.frequency, penalties.repetition))))
+    assert torch.equal(got.cpu(), expected)
+    assert not torch.equal(expected, logits)
+
+
 def test_kernels_compile_for_sm90():
     """The compiler (not the interpreter) accepts every kernel: catches what only compilation checks."""
     script = textwrap.dedent(
@@ -218,7 +250,7 @@ def test_kernels_compile_for_sm90():
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from kernels import gumbel, rejection, sampling
+        from kernels import gumbel, penalties, rejection, sampling
         common = {"tokens_ptr": "*i64", "probs_ptr": "*fp32", "seeds_ptr": "*i64", "positions_ptr": "*i64",
                   "vocab": "i32"}
         ragged = {**common, "num_accepted_ptr": "*i32", "draft_ptr": "*i64", "cu_ptr": "*i64", "out_stride": "i32"}
@@ -228,12 +260,19 @@ def test_kernels_compile_for_sm90():
             (rejection._rejection_kernel, {**ragged, "q_ids_ptr": "*i32", "q_fixed_ptr": "*u16", "greedy_ptr": "*i1",
              "num_entries": "i32", "BLOCK": "constexpr", "BLOCK_K": "constexpr"}, {"BLOCK": 1024, "BLOCK_K": 16}),
             (gumbel._verify_invariant_kernel, {**ragged, "BLOCK": "constexpr"}, {"BLOCK": 1024}),
+            (penalties._penalty_kernel, {"logits_ptr": "*fp32", "rows_ptr": "*i64", "tokens_ptr": "*i64",
+             "counts_ptr": "*i32", "presence_ptr": "*fp32", "frequency_ptr": "*fp32", "repetition_ptr": "*fp32",
+             "inverse_ptr": "*fp32", "num": "i32", "vocab": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}),
         ]
         for fn, signature, constexprs in jobs:
             names = list(fn.arg_names)
             ordered = {name: signature[name] for name in names}
-            compiled = triton.compile(ASTSource(fn, ordered, constexprs), target=GPUTarget("cuda", 90, 32))
+            options = {"enable_fp_fusion": False} if fn is penalties._penalty_kernel else {}
+            compiled = triton.compile(ASTSource(fn, ordered, constexprs), target=GPUTarget("cuda", 90, 32),
+                                      options=options)
             assert "ptx" in compiled.asm, fn.__name__
+            if options:  # the reference rounds each product: no fused multiply-add may stand for it
+                assert "fma" not in compiled.asm["ptx"], fn.__name__
         print("compiled", len(jobs))
         """
     )
@@ -242,4 +281,4 @@ def test_kernels_compile_for_sm90():
     root = Path(__file__).parents[2]
     run = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "compiled 3" in run.stdout
+    assert "compiled 4" in run.stdout

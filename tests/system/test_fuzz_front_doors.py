@@ -60,7 +60,12 @@ SANE = {
     "stream": st.booleans(),
     "n": st.sampled_from([None, 1]),
     "logprobs": st.sampled_from([None, False]),
-    "presence_penalty": st.sampled_from([None, 0]),
+    "presence_penalty": st.sampled_from([None, 0, 0.5, -1.5]),
+    "frequency_penalty": st.sampled_from([None, 0, 0.3]),
+    "repetition_penalty": st.sampled_from([None, 1.0, 1.3]),
+    "logit_bias": st.sampled_from([None, {}, {"13": 5.0, "28": -100}]),
+    "allowed_token_ids": st.sampled_from([None, [13, 28, 30, 2]]),
+    "bad_words": st.sampled_from([None, ["the"], ["blue sky", " a"]]),
     "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]),
     "structured_outputs": st.sampled_from([None, {"choice": ["yes", "no"]}, {"regex": "[a-z]{1,4}"}]),
     "speculate": st.booleans(),
@@ -145,7 +150,9 @@ VLLM_SANE = {
     "top_p": st.sampled_from([0.0, 1.0, 0.9]),
     "top_k": st.integers(0, 50),
     "min_p": st.sampled_from([0.0, 0.05]),
-    "repetition_penalty": st.sampled_from([0.0, 1.0]),
+    "repetition_penalty": st.sampled_from([0.0, 1.0, 1.2]),
+    "presence_penalty": st.sampled_from([0.0, 0.5]),
+    "frequency_penalty": st.sampled_from([0.0, -0.4]),
     "max_tokens": st.integers(1, 4),
     "n": st.sampled_from([0, 1]),
     "stop": st.lists(st.text(min_size=1, max_size=8), max_size=2),
@@ -158,6 +165,7 @@ VLLM_WILD = {
     "stop": st.lists(texts, max_size=20), "stop_token_ids": st.lists(st.integers(0, U32), max_size=4),
     "seed": st.integers(-2**31, 2**31 - 1), "frequency_penalty": wild_floats, "presence_penalty": wild_floats,
     "min_tokens": st.integers(0, U32), "logprobs": st.integers(-2**31, 2**31 - 1),
+    "logit_bias": st.dictionaries(st.integers(-2**31, 2**31 - 1), wild_floats, max_size=3),
 }
 
 
@@ -169,6 +177,8 @@ def vllm_requests(draw) -> bytes:
         value = draw((VLLM_WILD if name in wild else VLLM_SANE)[name])
         if isinstance(value, list):
             getattr(params, name).extend(value)
+        elif isinstance(value, dict):
+            getattr(params, name).update(value)
         else:
             setattr(params, name, value)
     constraint = draw(st.sampled_from([None] * 5 + ["regex", "json_schema", "choice", "json_object", "structural_tag"]))

@@ -75,11 +75,11 @@ def tiny_pair(tiny_models, request):
     draft.kill()
 
 
-def _sample(target: ServiceProcess, speculate: bool, positions: int) -> tuple[np.ndarray, int]:
+def _sample(target: ServiceProcess, speculate: bool, positions: int, **rules) -> tuple[np.ndarray, int]:
     request = generation_pb2.GenerateRequest(
         prompt_token_ids=generation_pb2.TokenIds(ids=PROMPT),
         sampling_params=generation_pb2.SamplingParams(temperature=1.0, max_tokens=positions, speculate=speculate,
-                                                      ignore_eos=True, num_speculative_tokens=2),
+                                                      ignore_eos=True, num_speculative_tokens=2, **rules),
     )
     results = run_requests(target.address, [request] * SAMPLES)
     tokens = np.array([r.token_ids for r in results])  # [SAMPLES, POSITIONS]
@@ -98,6 +98,31 @@ def test_first_tokens_follow_the_same_distribution_with_and_without_speculation(
     else:
         assert hits == 0
         assert drafts >= SAMPLES, "too few drafts were verified for the test to mean anything"
+    _assert_same_distribution(plain, speculative, positions)
+
+
+# Penalties that bite on a 32-token vocabulary, a bias, and a stop token banned by min_tokens at every position.
+RULES = dict(frequency_penalty=0.8, presence_penalty=0.6, repetition_penalty=1.8, logit_bias={19: -3.0, 9: 1.5},
+             stop_token_ids=[7], min_tokens=POSITIONS)
+
+
+def test_with_penalties_a_bias_and_min_tokens_the_distribution_is_still_the_target_alones(tiny_pair, plain):
+    """Each verified position is processed with the drafts before it counted; the drafter applies the
+    same rules, so its drafts are still accepted."""
+    target, _ = tiny_pair
+    alone, _ = _sample(target, speculate=False, positions=POSITIONS, **RULES)
+    speculative, drafts = _sample(target, speculate=True, positions=POSITIONS, **RULES)
+    assert drafts >= SAMPLES // 2, "too few drafts were verified for the test to mean anything"
+    assert (plain == 7).any() and not (alone == 7).any() and not (speculative == 7).any(), "min_tokens bans it"
+    for position in range(POSITIONS):  # the rules change the distribution that the pair must match
+        counts = np.stack([np.bincount(plain[:, position], minlength=VOCAB),
+                           np.bincount(alone[:, position], minlength=VOCAB)])
+        assert chi2_contingency(counts[:, counts.sum(axis=0) > 0]).pvalue < 1e-6, f"position {position}"
+    _assert_same_distribution(alone, speculative, POSITIONS)
+
+
+def _assert_same_distribution(plain: np.ndarray, speculative: np.ndarray, positions: int) -> None:
+    """Each position's marginal, and the joint of the first two, by chi-square tests."""
     for position in range(positions):
         counts = np.stack([np.bincount(plain[:, position], minlength=VOCAB),
                            np.bincount(speculative[:, position], minlength=VOCAB)])

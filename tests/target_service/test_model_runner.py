@@ -8,8 +8,8 @@ from kernels.compression import encode, no_probs
 from kernels.rejection import rejection_sample_reference
 from kernels.sampling import Sampling
 from target_service.drafts import UsableDrafts
-from target_service.model_runner import PrefillItem, ModelRunner, VerifyItem, _ban_stops, verify_greedy
-from target_service.sequence import StopBan
+from kernels.logits_processors import LogitsContext
+from target_service.model_runner import PrefillItem, ModelRunner, VerifyItem, _process_logits, verify_greedy
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import build_model
@@ -96,18 +96,24 @@ def test_a_banned_draft_is_rejected_and_its_position_emits_another_token(runner)
     continuation = greedy_generate(model, prompt + [20], 3, slot=1)
     drafts = UsableDrafts(tuple(continuation[:2]), None, False)
 
-    def verify(ban: StopBan | None):
-        [result] = runner.verify([VerifyItem(0, len(prompt) + 1, 20, drafts, _options(0.0), stop_ban=ban)])
+    def verify(ban: LogitsContext | None):
+        [result] = runner.verify([VerifyItem(0, len(prompt) + 1, 20, drafts, _options(0.0), logits_context=ban)])
         return result
 
     assert verify(None).tokens == continuation
-    banned = verify(StopBan((continuation[0],), 1))
+    banned = verify(_ban((continuation[0],), 1, drafts.tokens))
     assert banned.num_accepted == 0 and banned.tokens[0] != continuation[0]
+
+
+def _ban(token_ids: tuple[int, ...], rows: int, drafts: tuple[int, ...] = ()) -> LogitsContext:
+    return LogitsContext((), 0, drafts, token_ids, rows)
 
 
 def test_a_stop_ban_covers_an_items_first_rows_only():
     logits = torch.zeros(5, 8)  # two items: 3 rows (k = 2), then 2 rows
-    _ban_stops(logits, [(StopBan((1, 4), 2), 3), (StopBan((7,), 5), 2)])
+    items = [VerifyItem(0, 1, 0, None, Sampling(), logits_context=_ban((1, 4), 2, (0, 0))),
+             VerifyItem(1, 1, 0, None, Sampling(), logits_context=_ban((7,), 5, (0,)))]
+    _process_logits(logits, [(0, items[0]), (3, items[1])])
     banned = (logits == float("-inf")).nonzero().tolist()
     assert banned == [[0, 1], [0, 4], [1, 1], [1, 4], [3, 7], [4, 7]]
 
@@ -115,5 +121,36 @@ def test_a_stop_ban_covers_an_items_first_rows_only():
 def test_a_prefill_with_a_stop_ban_never_emits_the_banned_token(runner):
     prompt = list(range(3, 15))
     [free] = runner.prefill([PrefillItem(0, prompt, _options(0.0))])
-    [banned] = runner.prefill([PrefillItem(1, prompt, _options(0.0), stop_ban=StopBan((free.tokens[0],), 1))])
+    [banned] = runner.prefill([PrefillItem(1, prompt, _options(0.0), logits_context=_ban((free.tokens[0],), 1))])
     assert banned.tokens[0] != free.tokens[0]
+
+
+@pytest.mark.parametrize("sampling", [
+    Sampling(repetition_penalty=2.0, frequency_penalty=2.0, presence_penalty=2.0),
+    Sampling(temperature=0.9, seed=11, drafter_invariant=True, repetition_penalty=2.0, frequency_penalty=2.0,
+             presence_penalty=2.0),
+    Sampling(logit_bias=((101, 15.0),), bad_words=((101, 101),)),
+])
+def test_penalized_drafts_verify_to_the_tokens_the_target_alone_decodes(runner, sampling):
+    """Row i of a verify step is penalized with d1..di counted, so drafts equal to what the target
+    alone emits one step at a time are all accepted, and the bonus is its next token too."""
+    prompt = list(range(3, 15))
+    alone = _decode_alone(runner, prompt, sampling, steps=5)
+    assert alone != _decode_alone(runner, prompt, Sampling(temperature=sampling.temperature, seed=sampling.seed), 5)
+    runner.prefill([PrefillItem(0, prompt, sampling, logits_context=LogitsContext(tuple(prompt), len(prompt)))])
+    committed = prompt + alone[:1]
+    drafts = UsableDrafts(tuple(alone[1:4]), None, False)
+    context = LogitsContext(tuple(committed), len(prompt), drafts.tokens)
+    [result] = runner.verify([VerifyItem(0, len(committed), committed[-1], drafts, sampling, logits_context=context)])
+    assert result.tokens == alone[1:5] and result.num_accepted == 3
+
+
+def _decode_alone(runner: ModelRunner, prompt: list[int], sampling: Sampling, steps: int) -> list[int]:
+    """Tokens from a prefill, then plain decode steps, in slot 1."""
+    [first] = runner.prefill([PrefillItem(1, prompt, sampling, logits_context=LogitsContext(tuple(prompt), len(prompt)))])
+    tokens = list(prompt) + first.tokens
+    while len(tokens) < len(prompt) + steps:
+        context = LogitsContext(tuple(tokens), len(prompt))
+        [step] = runner.verify([VerifyItem(1, len(tokens), tokens[-1], None, sampling, logits_context=context)])
+        tokens += step.tokens
+    return tokens[len(prompt):]

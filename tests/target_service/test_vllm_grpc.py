@@ -110,15 +110,17 @@ def test_structured_output_maps_onto_the_constraint(stub, tokenizer):
 
 
 @pytest.mark.parametrize("sampling, field", [
-    (dict(frequency_penalty=0.5), "sampling_params.frequency_penalty"),
-    (dict(presence_penalty=0.5), "sampling_params.presence_penalty"),
-    (dict(repetition_penalty=1.2), "sampling_params.repetition_penalty"),
+    (dict(frequency_penalty=2.5), "sampling_params.frequency_penalty"),
+    (dict(presence_penalty=-3.0), "sampling_params.presence_penalty"),
+    (dict(repetition_penalty=2.5), "sampling_params.repetition_penalty"),
+    (dict(logit_bias={-5: 1.0}), "sampling_params.logit_bias"),
+    (dict(logit_bias={10**8: 1.0}), "sampling_params.logit_bias"),
+    (dict(logit_bias={5: 101.0}), "sampling_params.logit_bias"),
     (dict(min_tokens=9, max_tokens=4), "sampling_params.min_tokens"),
     (dict(n=2), "sampling_params.n"),
     (dict(logprobs=2), "sampling_params.logprobs"),
     (dict(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
     (dict(truncate_prompt_tokens=8), "sampling_params.truncate_prompt_tokens"),
-    (dict(logit_bias={5: 1.0}), "sampling_params.logit_bias"),
     (dict(structural_tag="{}"), "sampling_params.structural_tag"),
     (dict(temperature=-1.0), "sampling_params.temperature"),
     (dict(top_p=1.5), "sampling_params.top_p"),
