@@ -1,7 +1,7 @@
 """What the sampling extras cost: the same requests with and without them, in one run.
 
     python -m bench.sampling_cost                       # penalties, c=1 and 8, speculation on and off
-    python -m bench.sampling_cost --concurrency 1 --rounds 3 --max-tokens 64
+    python -m bench.sampling_cost --extra logprobs      # the top 5 logprobs of every token
 
 One target and one model drafter (the distilled smollm2-135m-draft), each on one thread. For each
 concurrency and speculation setting, the plain requests and the ones with the extra fields
@@ -25,6 +25,7 @@ from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 EXTRAS = {
     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
     "rules": {"presence_penalty": 0.5, "logit_bias": {13: -1.0, 28: 1.0}, "bad_words": ["Sure"]},
+    "logprobs": {"logprobs": 5},
 }
 
 

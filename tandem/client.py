@@ -30,6 +30,7 @@ class GenerationResult:
     ttft: float = 0.0  # seconds from sending to the first token
     token_times: list[float] = field(default_factory=list)  # arrival of each token, from sending
     elapsed: float = 0.0
+    logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)  # one per token, when asked
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -65,6 +66,7 @@ async def generate(
             result.ttft = now
         result.token_ids.extend(response.token_ids)
         result.token_times.extend([now] * len(response.token_ids))
+        result.logprobs.extend(response.logprobs)
         result.text += response.text
         if on_text is not None and response.text:
             on_text(response.text)

@@ -36,7 +36,8 @@ class PlannedDrafts:
         seq = self.seq
         return VerifyItem(slot=seq.slot, length=len(seq.token_ids), last_token=seq.token_ids[-1],
                           drafts=self.drafts, sampling=seq.options.sampling, grammar=seq.grammar,
-                          logits_context=seq.logits_context(self.drafts.tokens if self.drafts else ()))
+                          logits_context=seq.logits_context(self.drafts.tokens if self.drafts else ()),
+                          logprobs=seq.options.logprobs)
 
 
 @dataclass(frozen=True, slots=True)

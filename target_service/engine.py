@@ -146,7 +146,7 @@ class Engine:
 
     async def _prefill(self, admitted: list[Sequence]) -> list[Verified]:
         items = [PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling, grammar=s.grammar,
-                             logits_context=s.logits_context()) for s in admitted]
+                             logits_context=s.logits_context(), logprobs=s.options.logprobs) for s in admitted]
         started = time.perf_counter()
         results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
@@ -177,7 +177,8 @@ class Engine:
             if seq.finish is not None:
                 outputs.append(None)
                 continue
-            output, finish = seq.commit(result.tokens, result.num_accepted, self.scheduler.kv_cache.max_len)
+            output, finish = seq.commit(result.tokens, result.num_accepted, self.scheduler.kv_cache.max_len,
+                                        result.logprobs)
             outputs.append(output)
             if finish is not None:
                 self._finish(seq, finish)

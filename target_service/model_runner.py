@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +26,7 @@ from kernels.bitmask import allowed_tokens, apply_forbidden, apply_token_bitmask
 from kernels.compression import CompressedProbs, concat, no_probs
 from kernels.gumbel import verify_invariant
 from kernels.logits_processors import LogitsContext, process_logits
+from kernels.logprobs import RowLogprobs, TokenLogprob, row_logprobs, token_logprobs
 from kernels.rejection import rejection_sample
 from kernels.sampling import Sampling, probs_of, sample
 from target_service.drafts import UsableDrafts
@@ -43,6 +44,7 @@ class PrefillItem:
     sampling: Sampling
     grammar: Matcher | None = None
     logits_context: LogitsContext | None = None  # penalties, bans, biases: None when none applies
+    logprobs: int | None = None  # top log-probabilities to return with the token; None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,7 @@ class VerifyItem:
     sampling: Sampling
     grammar: Matcher | None = None
     logits_context: LogitsContext | None = None  # its drafts are the context's: row i follows d1..di
+    logprobs: int | None = None  # top log-probabilities to return with each token; None: none
 
     @property
     def num_drafts(self) -> int:
@@ -67,6 +70,7 @@ class Verified:
     # With capture layers: the target's features at the chunk's positions, bf16 [rows, layers, hidden]
     # (a prefill's prompt positions; a verify's n-1 .. n-1+k, of which the committed ones are sent).
     features: torch.Tensor | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the item asked for them
 
 
 class ModelRunner:
@@ -95,6 +99,7 @@ class ModelRunner:
         chunks = [SequenceChunk(slot=i.slot, start=0, token_ids=i.prompt_ids) for i in items]
         masks = self._start_masks([(i.grammar, ()) for i in items])
         logits, features = self._forward(chunks, capture)  # [B, vocab]
+        raw = _raw_logprobs(logits, list(enumerate(items)), [1] * len(items))  # before masks and rules
         self._apply_masks(logits, masks)
         _process_logits(logits, [(b, i) for b, i in enumerate(items)])
         tokens = [0] * len(items)
@@ -108,7 +113,7 @@ class ModelRunner:
             positions = self._long([len(items[b].prompt_ids) for b in sampled])
             for b, token in zip(sampled, sample(probs, self._seeds(samplings), positions).tolist()):
                 tokens[b] = token
-        return [Verified([token], 0, rows) for token, rows in zip(tokens, features)]
+        return _with_logprobs([Verified([token], 0, rows) for token, rows in zip(tokens, features)], raw)
 
     @torch.inference_mode()
     def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:
@@ -123,8 +128,10 @@ class ModelRunner:
         ]
         masks = self._start_masks([(i.grammar, i.drafts.tokens if i.drafts else ()) for i in items])
         logits, features = self._forward(chunks, capture)  # [sum(k_i + 1), vocab]
+        firsts = self._first_rows(items)
+        raw = _raw_logprobs(logits, list(zip(firsts, items)), [i.num_drafts + 1 for i in items])  # before masks, rules
         self._apply_masks(logits, masks)
-        _process_logits(logits, list(zip(self._first_rows(items), items)))
+        _process_logits(logits, list(zip(firsts, items)))
         results: list[Verified | None] = [None] * len(items)
         greedy = [b for b, i in enumerate(items) if i.sampling.greedy]
         rows = self._rows_of(items, greedy)
@@ -143,7 +150,7 @@ class ModelRunner:
                     results[b] = verified
         if capture:
             results = [Verified(r.tokens, r.num_accepted, rows) for r, rows in zip(results, features)]
-        return results
+        return _with_logprobs(results, raw)
 
     def _forward(self, chunks: list[SequenceChunk], capture: tuple[int, ...]
                  ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -264,6 +271,45 @@ def _process_logits(logits: torch.Tensor, items: list[tuple[int, PrefillItem | V
     ruled = [(first, i.sampling, i.logits_context) for first, i in items if i.logits_context is not None]
     if ruled:
         process_logits(logits, ruled)
+
+
+@dataclass(frozen=True, slots=True)
+class RawLogprobs:
+    """The raw log-probabilities of a step's rows for the items that asked for them, computed at once."""
+
+    rows: RowLogprobs
+    first_rows: dict[int, int]  # item -> its first row in `rows`
+    top_n: dict[int, int]  # item -> the top alternatives it asked for
+
+
+def _raw_logprobs(logits: torch.Tensor, items: list[tuple[int, PrefillItem | VerifyItem]],
+                  counts: list[int]) -> RawLogprobs | None:
+    """Before any processing: the log-probabilities of the rows of the items that asked for them."""
+    wanted = [b for b, (_, item) in enumerate(items) if item.logprobs is not None]
+    if not wanted:
+        return None
+    rows, first_rows = [], {}
+    for b in wanted:
+        first_rows[b] = len(rows)
+        rows.extend(range(items[b][0], items[b][0] + counts[b]))
+    top_n = {b: items[b][1].logprobs for b in wanted}
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    return RawLogprobs(row_logprobs(logits[index], max(top_n.values())), first_rows, top_n)
+
+
+def _with_logprobs(results: list[Verified], raw: RawLogprobs | None) -> list[Verified]:
+    """The results with each emitted token's log-probability: an item's token j was drawn at its row j."""
+    if raw is None:
+        return results
+    rows, tokens, top_n = [], [], []
+    for b, first in raw.first_rows.items():
+        emitted = results[b].tokens
+        rows += range(first, first + len(emitted))
+        tokens += emitted
+        top_n += [raw.top_n[b]] * len(emitted)
+    logprobs = iter(token_logprobs(raw.rows, rows, tokens, top_n))
+    return [replace(r, logprobs=[next(logprobs) for _ in r.tokens]) if b in raw.first_rows else r
+            for b, r in enumerate(results)]
 
 
 def _unpack(tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[Verified]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import logging
 
 from kernels.logits_processors import LogitsContext
+from kernels.logprobs import TokenLogprob
 from kernels.sampling import Sampling
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.structured import Constraint
@@ -34,6 +35,7 @@ class RequestOptions:
     constraint: Constraint | None = None  # structured output: the grammar every generated token follows
     min_tokens: int = 0  # no stop token or stop string ends the sequence before this many tokens
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # the top log-probabilities to return per generated token; None: none
 
 
 class SequenceStatus(enum.Enum):
@@ -56,6 +58,7 @@ class Output:
     text: str
     num_accepted: int
     finish: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
 
 @dataclass(eq=False, slots=True)
@@ -116,8 +119,11 @@ class Sequence:
     def remaining_tokens(self) -> int:
         return self.options.max_tokens - self.num_generated
 
-    def commit(self, tokens: list[int], num_accepted: int, max_len: int) -> tuple[Output, FinishReason | None]:
-        """Append tokens one by one, so stops and budgets end the sequence where the target alone would."""
+    def commit(self, tokens: list[int], num_accepted: int, max_len: int,
+               logprobs: list[TokenLogprob] | None = None) -> tuple[Output, FinishReason | None]:
+        """Append tokens one by one, so stops and budgets end the sequence where the target alone would.
+
+        logprobs: one per token, when the request asked for them; those of the tokens kept go out."""
         emitted: list[int] = []
         text_parts: list[str] = []
         finish, hit_stop_string = None, False
@@ -141,7 +147,8 @@ class Sequence:
             text_parts.append(tail if hit_stop_string else tail + self.stops.flush())
             if hit_stop_string:  # the text the last token completed holds a stop string: it stopped there
                 finish = FinishReason.STOP
-        output = Output(token_ids=emitted, text="".join(text_parts), num_accepted=min(num_accepted, len(emitted)))
+        output = Output(token_ids=emitted, text="".join(text_parts), num_accepted=min(num_accepted, len(emitted)),
+                        logprobs=None if logprobs is None else logprobs[: len(emitted)])
         return output, finish
 
     @property

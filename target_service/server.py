@@ -59,6 +59,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             text=output.text,
             num_accepted=output.num_accepted,
             server_elapsed_ns=int((time.perf_counter() - seq.arrival) * 1e9),
+            logprobs=[generation_pb2.TokenLogprob(token_id=lp.token, logprob=lp.logprob, rank=lp.rank,
+                                                  top_token_ids=[t for t, _ in lp.top],
+                                                  top_logprobs=[v for _, v in lp.top])
+                      for lp in output.logprobs or ()],
         )
         if output.finish is not None:
             response.finish_reason = _FINISH[output.finish]

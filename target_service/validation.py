@@ -6,6 +6,7 @@ from collections.abc import Iterable
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from kernels.logprobs import MAX_LOGPROBS
 from kernels.random import fresh_seed
 from kernels.sampling import Sampling
 from target_service.config import TargetConfig
@@ -77,6 +78,9 @@ def sampling_options(
     constraint = _constraint(params)
     _check_min_tokens(params, max_tokens, constraint)
     _check_rules_with_constraint(sampling, constraint)
+    logprobs = params.logprobs if params.HasField("logprobs") else None
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise invalid("logprobs", f"at most {MAX_LOGPROBS} top log-probabilities per token, got {logprobs}")
     k = params.num_speculative_tokens if params.HasField("num_speculative_tokens") else config.num_speculative_tokens
     if k > MAX_SPECULATIVE_TOKENS:
         raise invalid("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}")
@@ -92,6 +96,7 @@ def sampling_options(
         num_speculative_tokens=k,
         min_tokens=params.min_tokens,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        logprobs=logprobs,
     )
 
 

@@ -3,7 +3,7 @@
 The models declare every field a request may carry: OpenAI's names and vLLM's extensions side by
 side, and Tandem's own (`speculate`, `num_speculative_tokens`, `drafter_invariant`), the way vLLM
 takes its extensions. A field nobody declared is refused (OpenAI's own API does the same); a field
-declared but not served yet (logprobs, n > 1, tools) is taken only at the
+declared but not served yet (prompt_logprobs, n > 1, tools) is taken only at the
 value that turns it off. Value ranges are the engine's to check (validation.py), once for every
 front door.
 """
@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kernels.logprobs import MAX_LOGPROBS
 from target_service.validation import UINT64_MASK
 from tandem.v1 import generation_pb2, structured_pb2
 
@@ -114,14 +115,14 @@ class _Request(_Body):
     drafter_invariant: bool = False
     # Declared, not served yet: only the value that turns each off is taken (UNSERVED).
     n: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     prompt_logprobs: Any = None
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -136,6 +137,7 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
@@ -157,7 +159,7 @@ class DetokenizeRequest(_Body):
 
 # The value of each unserved field that asks for nothing; `None` (unset) always does too.
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "prompt_logprobs": (), "tools": (), "tool_choice": ("none",),
+    "n": (1,), "prompt_logprobs": (), "tools": (), "tool_choice": ("none",),
     "parallel_tool_calls": (), "functions": (), "function_call": ("none",), "add_generation_prompt": (True,),
     "continue_final_message": (False,), "add_special_tokens": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "echo": (False,), "best_of": (1,), "suffix": (),
@@ -343,16 +345,23 @@ def chat_messages(messages: list[ChatMessage], param: str = "messages") -> gener
 
 def chat_request(body: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return generation_pb2.GenerateRequest(
+    request = generation_pb2.GenerateRequest(
         request_id=request_id,
         chat=chat_messages(body.messages),
         sampling_params=sampling_params(body, max_tokens),
     )
+    if body.top_logprobs and not body.logprobs:
+        raise ProtocolError("top_logprobs", "needs logprobs: true")
+    if body.logprobs:
+        request.sampling_params.logprobs = body.top_logprobs or 0
+    return request
 
 
 def completion_request(body: CompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     request = generation_pb2.GenerateRequest(request_id=request_id, sampling_params=sampling_params(body, max_tokens))
+    if body.logprobs is not None:
+        request.sampling_params.logprobs = body.logprobs
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:

@@ -1,10 +1,14 @@
 """OpenAI response bodies (vLLM's shapes) from a finished or streaming sequence."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kernels.logprobs import TokenLogprob
 from target_service.sequence import FinishReason, Sequence
+
+LOWEST_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM sends this in its place
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,28 +56,64 @@ def finish_reason(seq: Sequence) -> str:
     return (seq.finish or FinishReason.ABORT).value
 
 
-def chat_response(meta: Completion, seq: Sequence, text: str) -> dict[str, Any]:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+@dataclass(slots=True)
+class Logprobs:
+    """OpenAI's logprobs objects for one request's tokens: chat's `content` list, or the four lists of
+    text completions, whose `text_offset` runs on from one chunk to the next."""
+
+    token_text: Callable[[int], str]
+    offset: int = 0  # text completions: where the next token's text starts in the completion
+
+    def chat(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        return {"content": [{**self._entry(lp.token, lp.logprob),
+                             "top_logprobs": [self._entry(token, value) for token, value in lp.top]}
+                            for lp in logprobs]}
+
+    def text(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        """The top alternatives with the sampled token among them, as OpenAI's legacy API returns them."""
+        tokens = [self.token_text(lp.token) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{self.token_text(t): _finite(v) for t, v in (*lp.top, (lp.token, lp.logprob))}
+                                 for lp in logprobs],
+                "text_offset": offsets}
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOWEST_LOGPROB)
+
+
+def chat_response(meta: Completion, seq: Sequence, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
               "finish_reason": finish_reason(seq), "stop_reason": seq.stop_reason}
     return meta.body([choice], usage=usage(seq), metrics=speculation_metrics(seq))
 
 
-def text_response(meta: Completion, seq: Sequence, text: str) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(seq),
+def text_response(meta: Completion, seq: Sequence, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(seq),
               "stop_reason": seq.stop_reason}
     return meta.body([choice], usage=usage(seq), metrics=speculation_metrics(seq))
 
 
-def chat_chunk(meta: Completion, delta: dict[str, Any], seq: Sequence | None = None) -> dict[str, Any]:
+def chat_chunk(meta: Completion, delta: dict[str, Any], seq: Sequence | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A delta; with `seq`, the last chunk of the choice, which carries why it finished."""
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
     if seq is not None:
         choice.update(finish_reason=finish_reason(seq), stop_reason=seq.stop_reason)
     return meta.body([choice])
 
 
-def text_chunk(meta: Completion, text: str, seq: Sequence | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+def text_chunk(meta: Completion, text: str, seq: Sequence | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
     if seq is not None:
         choice.update(finish_reason=finish_reason(seq), stop_reason=seq.stop_reason)
     return meta.body([choice])

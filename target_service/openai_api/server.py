@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -23,6 +24,7 @@ from aiohttp import web
 from aiohttp_sse import sse_response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kernels.logprobs import TokenLogprob
 from target_service.errors import RequestError
 from target_service.openai_api import protocol, responses
 from target_service.openai_api.protocol import ProtocolError
@@ -70,6 +72,9 @@ class ApiError(Exception):
         return cls(status, err.message, err.field or None, "invalid_value" if status == 400 and err.field else None)
 
 
+Render = Callable[[list[TokenLogprob]], dict[str, Any]]  # one request's tokens' logprobs in OpenAI's shape
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     """What differs between chat and text completions."""
@@ -77,13 +82,15 @@ class Endpoint:
     id_prefix: str
     object: str
     chunk_object: str
-    whole: Callable[[Completion, Sequence, str], dict[str, Any]]
-    chunker: Callable[[Completion, Sequence], Callable[[Output], list[dict[str, Any]]]]
+    whole: Callable[[Completion, Sequence, str, dict[str, Any] | None], dict[str, Any]]
+    chunker: Callable[[Completion, Sequence, Render | None], Callable[[Output], list[dict[str, Any]]]]
+    logprobs: Callable[[responses.Logprobs, list[TokenLogprob]], dict[str, Any]]
 
 
-def _chat_chunks(meta: Completion, seq: Sequence) -> Callable[[Output], list[dict[str, Any]]]:
+def _chat_chunks(meta: Completion, seq: Sequence, render: Render | None) -> Callable[[Output], list[dict[str, Any]]]:
     """The role chunk with the first token (as vLLM: it marks the time to first token), a content
-    chunk per output, and the last chunk with why the choice finished."""
+    chunk per output (with its tokens' logprobs when asked), and the last chunk with why the choice
+    finished."""
     role_sent = False
 
     def chunks(output: Output) -> list[dict[str, Any]]:
@@ -92,8 +99,9 @@ def _chat_chunks(meta: Completion, seq: Sequence) -> Callable[[Output], list[dic
         if output.token_ids and not role_sent:
             out.append(responses.chat_chunk(meta, {"role": "assistant", "content": ""}))
             role_sent = True
-        if output.text:
-            out.append(responses.chat_chunk(meta, {"content": output.text}))
+        logprobs = render(output.logprobs) if render is not None and output.logprobs else None
+        if output.text or logprobs is not None:
+            out.append(responses.chat_chunk(meta, {"content": output.text}, logprobs=logprobs))
         if output.finish is not None:
             out.append(responses.chat_chunk(meta, {}, seq))
         return out
@@ -101,9 +109,10 @@ def _chat_chunks(meta: Completion, seq: Sequence) -> Callable[[Output], list[dic
     return chunks
 
 
-def _text_chunks(meta: Completion, seq: Sequence) -> Callable[[Output], list[dict[str, Any]]]:
+def _text_chunks(meta: Completion, seq: Sequence, render: Render | None) -> Callable[[Output], list[dict[str, Any]]]:
     def chunks(output: Output) -> list[dict[str, Any]]:
-        out = [responses.text_chunk(meta, output.text)] if output.text else []
+        logprobs = render(output.logprobs) if render is not None and output.logprobs else None
+        out = [responses.text_chunk(meta, output.text, logprobs=logprobs)] if output.text or logprobs else []
         if output.finish is not None:
             out.append(responses.text_chunk(meta, "", seq))
         return out
@@ -111,8 +120,10 @@ def _text_chunks(meta: Completion, seq: Sequence) -> Callable[[Output], list[dic
     return chunks
 
 
-CHAT = Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", responses.chat_response, _chat_chunks)
-TEXT = Endpoint("cmpl", "text_completion", "text_completion", responses.text_response, _text_chunks)
+CHAT = Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", responses.chat_response, _chat_chunks,
+                responses.Logprobs.chat)
+TEXT = Endpoint("cmpl", "text_completion", "text_completion", responses.text_response, _text_chunks,
+                responses.Logprobs.text)
 
 
 class OpenAIServer:
@@ -131,6 +142,8 @@ class OpenAIServer:
         self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_post("/detokenize", self.detokenize)
         self._runner: web.AppRunner | None = None
+        tokenizer = serving.loaded.tokenizer
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
 
     async def start(self, host: str, port: int, tls: ServerTls | None) -> None:
         """Serves until stop(). A client that disconnects cancels its handler."""
@@ -195,16 +208,25 @@ class OpenAIServer:
         meta = Completion(f"{endpoint.id_prefix}-{request_id}", endpoint.object, created, self.serving.loaded.name)
         try:
             async with self.serving.session(ours) as seq:
+                render = self._render(seq, endpoint)
                 if not body.stream:
-                    text = "".join([output.text async for output in self.serving.outputs(seq)])
+                    outputs = [output async for output in self.serving.outputs(seq)]
                     if seq.finish is FinishReason.ABORT:
                         raise ApiError(503, SERVER_ABORTED)
-                    return web.json_response(endpoint.whole(meta, seq, text))
+                    logprobs = render([lp for o in outputs for lp in o.logprobs or ()]) if render else None
+                    return web.json_response(endpoint.whole(meta, seq, "".join(o.text for o in outputs), logprobs))
                 chunk_meta = Completion(meta.id, endpoint.chunk_object, created, meta.model)
                 return await self._stream(request, seq, body.stream_options, chunk_meta,
-                                          endpoint.chunker(chunk_meta, seq))
+                                          endpoint.chunker(chunk_meta, seq, render))
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             raise ApiError.of_request_error(err, renamed) from None
+
+    def _render(self, seq: Sequence, endpoint: Endpoint) -> Render | None:
+        """How this request's logprobs are shown; None when it asked for none."""
+        if seq.options.logprobs is None:
+            return None
+        state = responses.Logprobs(self._token_text)
+        return lambda logprobs: endpoint.logprobs(state, logprobs)
 
     async def _body(self, request: web.Request, model: type) -> Any:
         try:

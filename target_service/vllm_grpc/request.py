@@ -1,7 +1,7 @@
 """vLLM's gRPC GenerateRequest (`vllm.grpc.engine`, from smg-grpc-proto) as the engine's GenerateRequest.
 
 Every SamplingParams field maps onto ours or, when it asks for what Tandem does not serve yet
-(logprobs, n > 1, ...), is refused with INVALID_ARGUMENT naming it. Unset and zero values mean
+(prompt_logprobs, n > 1, ...), is refused with INVALID_ARGUMENT naming it. Unset and zero values mean
 what the gateway means by them: temperature unset is 1.0, top_p 0 is 1.0, top_k 0 is off,
 repetition_penalty 0 is off, max_tokens unset fills the context.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from smg_grpc_proto import vllm_engine_pb2
 
+from kernels.logprobs import MAX_LOGPROBS
 from target_service.errors import RequestError, invalid
 from target_service.validation import UINT64_MASK
 from tandem.v1 import generation_pb2, structured_pb2
@@ -71,6 +72,10 @@ def sampling_params(params: vllm_engine_pb2.SamplingParams) -> generation_pb2.Sa
         ours.max_tokens = params.max_tokens
     if params.HasField("seed"):
         ours.seed = params.seed & UINT64_MASK
+    if params.HasField("logprobs"):
+        if params.logprobs < 0:  # vLLM's -1, every token's, is not served
+            raise invalid("sampling_params.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {params.logprobs}")
+        ours.logprobs = params.logprobs
     constraint = _constraint(params)
     if constraint is not None:
         ours.structured_outputs.CopyFrom(constraint)
@@ -84,7 +89,7 @@ def _refuse_unserved(params: vllm_engine_pb2.SamplingParams) -> None:
     field = "sampling_params."
     if params.n > 1:
         raise _refuse(field + "n", f"{params.n} is not supported yet; one sample per request")
-    for name in ("logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+    for name in ("prompt_logprobs", "truncate_prompt_tokens"):
         if params.HasField(name):
             raise _refuse(field + name)
 

@@ -19,6 +19,7 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from kernels.logprobs import TokenLogprob
 from target_service.errors import RequestError
 from target_service.sequence import FinishReason, Sequence
 from target_service.serving import SERVER_ABORTED, Serving
@@ -54,34 +55,38 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             async with self.serving.session(ours) as seq:
                 self._running[seq.request_id] = seq
+                logprobs: list[TokenLogprob] = []  # of the tokens not streamed yet
                 try:
                     async for output in self.serving.outputs(seq):
                         if output.finish is not None:
                             break
+                        logprobs += output.logprobs or ()
                         if request.stream and output.token_ids:
                             yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
                                 token_ids=output.token_ids, prompt_tokens=len(seq.prompt_ids),
-                                completion_tokens=len(output.token_ids)))
+                                completion_tokens=len(output.token_ids), output_logprobs=_logprobs(logprobs)))
+                            logprobs = []
                 finally:
                     del self._running[seq.request_id]
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             err = err.renamed(FIELD_NAMES, "sampling_params.")
             await context.abort(err.code, err.message)
         if seq.finish is not FinishReason.ABORT:
-            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(seq, request.stream))
+            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(seq, request.stream, logprobs))
         elif seq.request_id in self._cancelled:
             self._cancelled.discard(seq.request_id)
             await context.abort(grpc.StatusCode.CANCELLED, "aborted by an Abort call")
         else:
             await context.abort(grpc.StatusCode.UNAVAILABLE, SERVER_ABORTED)
 
-    def _complete(self, seq: Sequence, streamed: bool) -> vllm_engine_pb2.GenerateComplete:
-        """output_ids: every generated token, unless they were streamed already."""
+    def _complete(self, seq: Sequence, streamed: bool, logprobs: list[TokenLogprob]) -> vllm_engine_pb2.GenerateComplete:
+        """output_ids, and their logprobs when asked: every generated token, unless they were streamed already."""
         generated = seq.token_ids[len(seq.prompt_ids):]
         complete = vllm_engine_pb2.GenerateComplete(
             output_ids=[] if streamed else generated, finish_reason=seq.finish.value,
             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(generated),
-            spec_accepted_tokens=seq.accepted_tokens, spec_draft_tokens=seq.draft_tokens)
+            spec_accepted_tokens=seq.accepted_tokens, spec_draft_tokens=seq.draft_tokens,
+            output_logprobs=_logprobs(logprobs))
         stop = seq.stop_reason
         if isinstance(stop, str):
             complete.matched_stop_str = stop
@@ -185,3 +190,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat()
+
+
+def _logprobs(logprobs: list[TokenLogprob]) -> vllm_engine_pb2.OutputLogProbs | None:
+    """The protocol's shape of the tokens' log-probabilities; None (unset) when there are none."""
+    if not logprobs:
+        return None
+    return vllm_engine_pb2.OutputLogProbs(
+        token_logprobs=[lp.logprob for lp in logprobs], token_ids=[lp.token for lp in logprobs],
+        top_logprobs=[vllm_engine_pb2.TopLogProbs(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top])
+                      for lp in logprobs])

@@ -145,12 +145,43 @@ def test_penalized_drafts_verify_to_the_tokens_the_target_alone_decodes(runner, 
     assert result.tokens == alone[1:5] and result.num_accepted == 3
 
 
-def _decode_alone(runner: ModelRunner, prompt: list[int], sampling: Sampling, steps: int) -> list[int]:
-    """Tokens from a prefill, then plain decode steps, in slot 1."""
-    [first] = runner.prefill([PrefillItem(1, prompt, sampling, logits_context=LogitsContext(tuple(prompt), len(prompt)))])
-    tokens = list(prompt) + first.tokens
+def _decode_alone(runner: ModelRunner, prompt: list[int], sampling: Sampling, steps: int,
+                  logprobs: int | None = None) -> list:
+    """Tokens from a prefill, then plain decode steps, in slot 1; with logprobs, each token's TokenLogprob."""
+    [first] = runner.prefill([PrefillItem(1, prompt, sampling, logits_context=LogitsContext(tuple(prompt), len(prompt)),
+                                          logprobs=logprobs)])
+    tokens, results = list(prompt) + first.tokens, list(first.logprobs or first.tokens)
     while len(tokens) < len(prompt) + steps:
         context = LogitsContext(tuple(tokens), len(prompt))
-        [step] = runner.verify([VerifyItem(1, len(tokens), tokens[-1], None, sampling, logits_context=context)])
+        [step] = runner.verify([VerifyItem(1, len(tokens), tokens[-1], None, sampling, logits_context=context,
+                                           logprobs=logprobs)])
         tokens += step.tokens
-    return tokens[len(prompt):]
+        results += step.logprobs or step.tokens
+    return results
+
+
+def test_logprobs_of_verified_tokens_are_the_target_alones_bit_for_bit(runner):
+    """Raw logprobs come from the logits before any rule or mask: a verify row holds the logits the
+    target alone computes at that position (the decoders are batch-invariant), so they are equal,
+    accepted drafts and bonus alike, and penalties do not change them."""
+    prompt = list(range(3, 15))
+    sampling = Sampling(repetition_penalty=2.0, frequency_penalty=2.0)
+    alone = _decode_alone(runner, prompt, sampling, steps=5, logprobs=3)
+    tokens = [lp.token for lp in alone]
+    runner.prefill([PrefillItem(0, prompt, sampling)])
+    committed = prompt + tokens[:1]
+    drafts = UsableDrafts(tuple(tokens[1:4]), None, False)
+    context = LogitsContext(tuple(committed), len(prompt), drafts.tokens)
+    [result] = runner.verify([VerifyItem(0, len(committed), committed[-1], drafts, sampling, logits_context=context,
+                                         logprobs=3)])
+    assert result.tokens == tokens[1:5] and all(len(lp.top) == 3 and lp.rank >= 1 for lp in result.logprobs)
+    if runner.model.native:
+        assert result.logprobs == alone[1:5]
+        return
+    # The PyTorch decoder's matrix products sum in an order that depends on the number of rows, so a
+    # verify row's logits may differ from a decode step's by float32 rounding, a few ulps.
+    for ours, theirs in zip(result.logprobs, alone[1:5]):
+        assert (ours.token, ours.rank, [t for t, _ in ours.top]) == (theirs.token, theirs.rank, [t for t, _ in theirs.top])
+        values = torch.tensor([ours.logprob, *(v for _, v in ours.top)])
+        torch.testing.assert_close(values, torch.tensor([theirs.logprob, *(v for _, v in theirs.top)]),
+                                   rtol=1e-5, atol=1e-5)

@@ -160,7 +160,10 @@ def test_structured_json_follows_the_schema(front_doors, client):
     ({"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
     ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400, "frobnicate"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -9}, 400, "frequency_penalty"),
     ({"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -206,7 +209,8 @@ def test_bad_chat_bodies_get_an_openai_error_naming_the_parameter(front_doors, b
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": "hi", "echo": True}, "echo"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
-    ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "logprobs": True}, "logprobs"),
     ({}, "prompt"),
 ])
 def test_bad_completion_bodies_name_the_parameter(front_doors, body, param):

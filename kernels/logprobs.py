@@ -1,0 +1,83 @@
+"""Log-probabilities of emitted tokens under the target's raw distribution, as vLLM returns them.
+
+Raw: the log-softmax of the model's logits at the position, before any processing (logits rules,
+grammar masks, temperature, top-k, top-p, min-p); vLLM's default `raw_logprobs` mode. They
+depend on the position's tokens alone, not on how the token was drawn, so with speculation they
+are the target alone's: a verify row i holds the logits the target alone computes after d1..di.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_LOGPROBS = 20  # top alternatives per token, vLLM's default max_logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One emitted token's log-probability, its rank (1: the most likely), and the top alternatives."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
+class RowLogprobs:
+    """log-softmax rows [R, V] of raw logits and each row's most likely tokens, computed before the
+    logits are processed; top_n of them go to the client."""
+
+    logprobs: torch.Tensor  # [R, V] float32
+    top_values: torch.Tensor  # [R, max(top_n, 1)], largest first
+    top_ids: torch.Tensor  # [R, max(top_n, 1)]
+    top_n: int
+
+
+def row_logprobs(logits: torch.Tensor, top_n: int) -> RowLogprobs:
+    """log-softmax [R, V] of logits [R, V], and the top max(top_n, 1) (<= MAX_LOGPROBS) of each row:
+    at least one, so that a token's rank is read off the top entries whenever it is among them."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    values, ids = top_entries(logprobs, max(top_n, 1))
+    return RowLogprobs(logprobs, values, ids, top_n)
+
+
+def top_entries(rows: torch.Tensor, n: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest entries of each row of rows [R, V] and their indices, largest first: torch.topk's
+    answer (up to the order of equal values), at a fraction of its cost on a CPU.
+
+    The n largest lie in the n blocks whose maxima are largest, so a top-k of the block maxima and
+    one of those blocks' entries replace a top-k over the whole row."""
+    num_rows, vocab = rows.shape
+    if vocab <= 4 * n * block:
+        return rows.topk(n, dim=-1)
+    blocks = -(-vocab // block)
+    padded = torch.nn.functional.pad(rows, (0, blocks * block - vocab), value=float("-inf"))
+    tiles = padded.view(num_rows, blocks, block)  # [R, B, block]
+    _, best = tiles.amax(dim=-1).topk(n, dim=-1)  # [R, n]
+    candidates = tiles.gather(1, best[:, :, None].expand(-1, -1, block)).view(num_rows, n * block)
+    values, where = candidates.topk(n, dim=-1)  # [R, n]
+    return values, best.gather(1, where // block) * block + where % block
+
+
+def token_logprobs(rows: RowLogprobs, row_index: list[int], tokens: list[int],
+                   top_n: list[int]) -> list[TokenLogprob]:
+    """The logprob of tokens[i] at row row_index[i], with its top_n[i] (<= rows.top_n) alternatives;
+    one host sync for them all.
+
+    rank = 1 + the tokens more likely than it. When the token is at least as likely as the last
+    top entry, those are all among the top entries; only other rows count over the vocabulary."""
+    device = rows.logprobs.device
+    at = torch.tensor(row_index, dtype=torch.int64, device=device)  # [T]
+    index = torch.tensor(tokens, dtype=torch.int64, device=device)  # [T]
+    chosen = rows.logprobs[at, index][:, None]  # [T, 1]
+    values = rows.top_values[at]  # [T, N]
+    ranks = (values > chosen).sum(dim=1) + 1  # [T]
+    outside = (chosen[:, 0] < values[:, -1]).nonzero()[:, 0]  # [O]
+    if outside.numel():
+        ranks[outside] = (rows.logprobs[at[outside]] > chosen[outside]).sum(dim=1) + 1
+    top_values, top_ids = values.tolist(), rows.top_ids[at].tolist()
+    return [TokenLogprob(token, logprob, rank, tuple(zip(ids[:n], row_values[:n])))
+            for token, logprob, rank, ids, row_values, n
+            in zip(tokens, chosen[:, 0].tolist(), ranks.tolist(), top_ids, top_values, top_n)]

@@ -1,0 +1,87 @@
+"""Logprobs through the three front doors, in each protocol's shape, from real clients: the OpenAI SDK
+(chat and completions, streamed or not), vLLM's VllmEngine stub, and tandem.v1. Every door gives
+the same numbers (the pair's identity with the target alone: tests/system/test_logprobs_pair.py)."""
+from __future__ import annotations
+
+import grpc
+import openai
+import pytest
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from tests.support.service_fixtures import greedy_request, run_requests
+from tandem.runtime import load_tokenizer
+
+PROMPT = "Name three colours."
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def client(front_doors):
+    return openai.OpenAI(base_url=front_doors.http_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def expected(front_doors):
+    """tandem.v1's answer, with 3 top logprobs per token."""
+    [result] = run_requests(front_doors.address, [greedy_request(PROMPT, TOKENS, logprobs=3)])
+    assert len(result.logprobs) == len(result.token_ids) == TOKENS
+    return result
+
+
+def test_chat_logprobs_in_openais_shape_streamed_or_not(client, expected, tokenizer):
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=TOKENS,
+                                           temperature=0, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    streamed = [entry for chunk in client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=TOKENS, temperature=0, logprobs=True, top_logprobs=3,
+        stream=True) if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    for entries in (content, streamed):
+        assert len(entries) == TOKENS
+        for entry, lp in zip(entries, expected.logprobs):
+            assert entry.token == tokenizer.decode([lp.token_id]) and entry.bytes == list(entry.token.encode())
+            assert entry.logprob == lp.logprob  # the float32 value, exact as a JSON double
+            assert [t.logprob for t in entry.top_logprobs] == list(lp.top_logprobs)
+            assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t]) for t in lp.top_token_ids]
+    plain = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_in_the_legacy_shape(client, front_doors, tokenizer):
+    [grpc_result] = run_requests(front_doors.address, [greedy_request(PROMPT, TOKENS, logprobs=2)])
+    prompt = tokenizer.decode(tokenizer.encode_chat([{"role": "user", "content": PROMPT}]))
+    for stream in (False, True):
+        response = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=TOKENS, temperature=0,
+                                             logprobs=2, stream=stream)
+        chunks = list(response) if stream else [response]
+        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+        values = [v for p in parts for v in p.token_logprobs]
+        tops = [top for p in parts for top in p.top_logprobs]
+        offsets = [o for p in parts for o in p.text_offset]
+        assert values == [lp.logprob for lp in grpc_result.logprobs]
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        for token, top in zip(tokens, tops):
+            assert token in top and 2 <= len(top) <= 3, "the top 2, and the sampled token among them"
+
+
+def test_vllm_engine_sends_output_logprobs_streamed_or_not(front_doors, expected, tokenizer):
+    ids = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    with grpc.insecure_channel(front_doors.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        for stream in (False, True):
+            request = vllm_engine_pb2.GenerateRequest(
+                request_id=f"lp-{stream}", stream=stream, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=ids),
+                sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=TOKENS, logprobs=3))
+            responses = list(stub.Generate(request, timeout=60))
+            parts = [r.chunk.output_logprobs for r in responses if r.HasField("chunk")] if stream else \
+                [responses[-1].complete.output_logprobs]
+            assert [t for p in parts for t in p.token_ids] == expected.token_ids
+            assert [v for p in parts for v in p.token_logprobs] == [lp.logprob for lp in expected.logprobs]
+            assert [list(top.token_ids) for p in parts for top in p.top_logprobs] == \
+                [list(lp.top_token_ids) for lp in expected.logprobs]
