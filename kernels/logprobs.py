@@ -81,3 +81,15 @@ def token_logprobs(rows: RowLogprobs, row_index: list[int], tokens: list[int],
     return [TokenLogprob(token, logprob, rank, tuple(zip(ids[:n], row_values[:n])))
             for token, logprob, rank, ids, row_values, n
             in zip(tokens, chosen[:, 0].tolist(), ranks.tolist(), top_ids, top_values, top_n)]
+
+
+def sequence_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int, chunk_rows: int = 256) -> list[TokenLogprob]:
+    """The logprob of tokens[j] at row j of logits [len(tokens), V] (a prompt's, each row after the
+    tokens before it), with top_n alternatives; chunk_rows rows at a time, so a long prompt needs
+    no second [P, V] tensor."""
+    out: list[TokenLogprob] = []
+    for start in range(0, len(tokens), chunk_rows):
+        part = tokens[start:start + chunk_rows]
+        rows = row_logprobs(logits[start:start + len(part)], top_n)
+        out += token_logprobs(rows, list(range(len(part))), part, [top_n] * len(part))
+    return out

@@ -31,6 +31,7 @@ class GenerationResult:
     token_times: list[float] = field(default_factory=list)  # arrival of each token, from sending
     elapsed: float = 0.0
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)  # one per token, when asked
+    prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -67,6 +68,7 @@ async def generate(
         result.token_ids.extend(response.token_ids)
         result.token_times.extend([now] * len(response.token_ids))
         result.logprobs.extend(response.logprobs)
+        result.prompt_logprobs.extend(response.prompt_logprobs)
         result.text += response.text
         if on_text is not None and response.text:
             on_text(response.text)

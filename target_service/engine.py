@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 
@@ -146,7 +147,8 @@ class Engine:
 
     async def _prefill(self, admitted: list[Sequence]) -> list[Verified]:
         items = [PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling, grammar=s.grammar,
-                             logits_context=s.logits_context(), logprobs=s.options.logprobs) for s in admitted]
+                             logits_context=s.logits_context(), logprobs=s.options.logprobs,
+                             prompt_logprobs=s.options.prompt_logprobs) for s in admitted]
         started = time.perf_counter()
         results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
@@ -179,7 +181,8 @@ class Engine:
                 continue
             output, finish = seq.commit(result.tokens, result.num_accepted, self.scheduler.kv_cache.max_len,
                                         result.logprobs)
-            outputs.append(output)
+            outputs.append(output if result.prompt_logprobs is None
+                           else replace(output, prompt_logprobs=result.prompt_logprobs))
             if finish is not None:
                 self._finish(seq, finish)
         return outputs

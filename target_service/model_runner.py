@@ -1,6 +1,7 @@
 """The model work of one target step, run on the executor thread over snapshots of sequence state.
 
-Prefill: each new prompt is run and its first token sampled at position len(prompt).
+Prefill: each new prompt is run and its first token sampled at position len(prompt); a prompt whose
+logprobs are asked for keeps the logits of every position, which score its own tokens.
 Verify: a sequence with committed tokens x[0..n-1] has KV for n-1 of them; it runs
 [x[n-1], d1..dk] at positions n-1..n-1+k, so k+1 rows of p, and emits accepted drafts plus one
 recovered or bonus token. With no drafts (k = 0) this is a plain decode step.
@@ -26,7 +27,7 @@ from kernels.bitmask import allowed_tokens, apply_forbidden, apply_token_bitmask
 from kernels.compression import CompressedProbs, concat, no_probs
 from kernels.gumbel import verify_invariant
 from kernels.logits_processors import LogitsContext, process_logits
-from kernels.logprobs import RowLogprobs, TokenLogprob, row_logprobs, token_logprobs
+from kernels.logprobs import RowLogprobs, TokenLogprob, row_logprobs, sequence_logprobs, token_logprobs
 from kernels.rejection import rejection_sample
 from kernels.sampling import Sampling, probs_of, sample
 from target_service.drafts import UsableDrafts
@@ -45,6 +46,12 @@ class PrefillItem:
     grammar: Matcher | None = None
     logits_context: LogitsContext | None = None  # penalties, bans, biases: None when none applies
     logprobs: int | None = None  # top log-probabilities to return with the token; None: none
+    prompt_logprobs: int | None = None  # the same for each prompt token from the second on; None: none
+
+    @property
+    def num_logits(self) -> int:
+        """Every prompt position's logits when its prompt's logprobs are asked; else the last one's."""
+        return 1 if self.prompt_logprobs is None else len(self.prompt_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,7 @@ class Verified:
     # (a prefill's prompt positions; a verify's n-1 .. n-1+k, of which the committed ones are sent).
     features: torch.Tensor | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the item asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # a prefill's, for prompt tokens 1.., when asked
 
 
 class ModelRunner:
@@ -96,9 +104,10 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = ()) -> list[Verified]:
         """Each item's first token; capture: also the features of these target layers (Verified.features)."""
-        chunks = [SequenceChunk(slot=i.slot, start=0, token_ids=i.prompt_ids) for i in items]
+        chunks = [SequenceChunk(slot=i.slot, start=0, token_ids=i.prompt_ids, num_logits=i.num_logits) for i in items]
         masks = self._start_masks([(i.grammar, ()) for i in items])
-        logits, features = self._forward(chunks, capture)  # [B, vocab]
+        logits, features = self._forward(chunks, capture)  # [sum(num_logits), vocab]
+        logits, prompt_logprobs = _prompt_logprobs(logits, items)  # [B, vocab]: each prompt's last row
         raw = _raw_logprobs(logits, list(enumerate(items)), [1] * len(items))  # before masks and rules
         self._apply_masks(logits, masks)
         _process_logits(logits, [(b, i) for b, i in enumerate(items)])
@@ -113,7 +122,8 @@ class ModelRunner:
             positions = self._long([len(items[b].prompt_ids) for b in sampled])
             for b, token in zip(sampled, sample(probs, self._seeds(samplings), positions).tolist()):
                 tokens[b] = token
-        return _with_logprobs([Verified([token], 0, rows) for token, rows in zip(tokens, features)], raw)
+        return _with_logprobs([Verified([token], 0, rows, prompt_logprobs=prompt)
+                               for token, rows, prompt in zip(tokens, features, prompt_logprobs)], raw)
 
     @torch.inference_mode()
     def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:
@@ -271,6 +281,23 @@ def _process_logits(logits: torch.Tensor, items: list[tuple[int, PrefillItem | V
     ruled = [(first, i.sampling, i.logits_context) for first, i in items if i.logits_context is not None]
     if ruled:
         process_logits(logits, ruled)
+
+
+def _prompt_logprobs(logits: torch.Tensor, items: list[PrefillItem]
+                     ) -> tuple[torch.Tensor, list[list[TokenLogprob] | None]]:
+    """From a prefill's logits [sum(num_logits), vocab]: each item's last row [B, vocab], and the
+    logprobs of the prompt tokens of the items that asked for them (row j scores token j + 1)."""
+    if all(i.prompt_logprobs is None for i in items):
+        return logits, [None] * len(items)
+    prompts: list[list[TokenLogprob] | None] = []
+    lasts, start = [], 0
+    for item in items:
+        end = start + item.num_logits
+        lasts.append(end - 1)
+        prompts.append(None if item.prompt_logprobs is None else
+                       sequence_logprobs(logits[start:end - 1], item.prompt_ids[1:], item.prompt_logprobs))
+        start = end
+    return logits[torch.tensor(lasts, dtype=torch.int64, device=logits.device)], prompts
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ class RequestOptions:
     min_tokens: int = 0  # no stop token or stop string ends the sequence before this many tokens
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # the top log-probabilities to return per generated token; None: none
+    prompt_logprobs: int | None = None  # the same per prompt token, from the second on
 
 
 class SequenceStatus(enum.Enum):
@@ -59,6 +60,7 @@ class Output:
     num_accepted: int
     finish: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # the first output's: prompt tokens 1.., when asked
 
 
 @dataclass(eq=False, slots=True)

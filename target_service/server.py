@@ -10,6 +10,7 @@ import time
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from kernels.logprobs import TokenLogprob
 from target_service.config import TargetConfig
 from target_service.drafter_link import DrafterLink
 from target_service.engine import Engine
@@ -59,10 +60,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             text=output.text,
             num_accepted=output.num_accepted,
             server_elapsed_ns=int((time.perf_counter() - seq.arrival) * 1e9),
-            logprobs=[generation_pb2.TokenLogprob(token_id=lp.token, logprob=lp.logprob, rank=lp.rank,
-                                                  top_token_ids=[t for t, _ in lp.top],
-                                                  top_logprobs=[v for _, v in lp.top])
-                      for lp in output.logprobs or ()],
+            logprobs=_token_logprobs(output.logprobs),
+            prompt_logprobs=_token_logprobs(output.prompt_logprobs),
         )
         if output.finish is not None:
             response.finish_reason = _FINISH[output.finish]
@@ -89,6 +88,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             draft_model=draft_model or "",
             drafter_connected=draft_model is not None,
         )
+
+
+def _token_logprobs(logprobs: list[TokenLogprob] | None) -> list[generation_pb2.TokenLogprob]:
+    return [generation_pb2.TokenLogprob(token_id=lp.token, logprob=lp.logprob, rank=lp.rank,
+                                        top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+            for lp in logprobs or ()]
 
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name

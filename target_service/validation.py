@@ -78,9 +78,7 @@ def sampling_options(
     constraint = _constraint(params)
     _check_min_tokens(params, max_tokens, constraint)
     _check_rules_with_constraint(sampling, constraint)
-    logprobs = params.logprobs if params.HasField("logprobs") else None
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise invalid("logprobs", f"at most {MAX_LOGPROBS} top log-probabilities per token, got {logprobs}")
+    logprobs, prompt_logprobs = _top_count(params, "logprobs"), _top_count(params, "prompt_logprobs")
     k = params.num_speculative_tokens if params.HasField("num_speculative_tokens") else config.num_speculative_tokens
     if k > MAX_SPECULATIVE_TOKENS:
         raise invalid("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}")
@@ -97,7 +95,18 @@ def sampling_options(
         min_tokens=params.min_tokens,
         include_stop_str_in_output=params.include_stop_str_in_output,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def _top_count(params: generation_pb2.SamplingParams, name: str) -> int | None:
+    """logprobs or prompt_logprobs: the top alternatives asked for per token; None when unset."""
+    if not params.HasField(name):
+        return None
+    count = getattr(params, name)
+    if count > MAX_LOGPROBS:
+        raise invalid(name, f"at most {MAX_LOGPROBS} top log-probabilities per token, got {count}")
+    return count
 
 
 def _check_min_tokens(params: generation_pb2.SamplingParams, max_tokens: int, constraint: Constraint | None) -> None:

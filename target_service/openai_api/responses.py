@@ -86,19 +86,37 @@ class Logprobs:
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
 
+def prompt_logprobs(token_text: Callable[[int], str], prompt_ids: list[int],
+                    logprobs: list[TokenLogprob] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a map from token id
+    to its logprob, rank and text, for the prompt's token and the top alternatives; None when not asked."""
+    if logprobs is None:
+        return None
+    entries: list[dict[str, Any] | None] = [None]
+    for token, lp in zip(prompt_ids[1:], logprobs, strict=True):
+        ranked = [(token, lp.logprob, lp.rank), *((t, v, rank) for rank, (t, v) in enumerate(lp.top, 1))]
+        entries.append({str(t): {"logprob": _finite(v), "rank": rank, "decoded_token": token_text(t)}
+                        for t, v, rank in ranked})
+    return entries
+
+
 def _finite(logprob: float) -> float:
     return max(logprob, LOWEST_LOGPROB)
 
 
-def chat_response(meta: Completion, seq: Sequence, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def chat_response(meta: Completion, seq: Sequence, text: str, logprobs: dict[str, Any] | None = None,
+                  prompt: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """prompt: the prompt's logprobs (prompt_logprobs), which vLLM puts beside the choices."""
     choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
               "finish_reason": finish_reason(seq), "stop_reason": seq.stop_reason}
-    return meta.body([choice], usage=usage(seq), metrics=speculation_metrics(seq))
+    return meta.body([choice], usage=usage(seq), metrics=speculation_metrics(seq), prompt_logprobs=prompt)
 
 
-def text_response(meta: Completion, seq: Sequence, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def text_response(meta: Completion, seq: Sequence, text: str, logprobs: dict[str, Any] | None = None,
+                  prompt: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """prompt: the prompt's logprobs (prompt_logprobs), which vLLM puts in the choice."""
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(seq),
-              "stop_reason": seq.stop_reason}
+              "stop_reason": seq.stop_reason, "prompt_logprobs": prompt}
     return meta.body([choice], usage=usage(seq), metrics=speculation_metrics(seq))
 
 

@@ -82,7 +82,8 @@ class Endpoint:
     id_prefix: str
     object: str
     chunk_object: str
-    whole: Callable[[Completion, Sequence, str, dict[str, Any] | None], dict[str, Any]]
+    whole: Callable[[Completion, Sequence, str, dict[str, Any] | None, list[dict[str, Any] | None] | None],
+                    dict[str, Any]]
     chunker: Callable[[Completion, Sequence, Render | None], Callable[[Output], list[dict[str, Any]]]]
     logprobs: Callable[[responses.Logprobs, list[TokenLogprob]], dict[str, Any]]
 
@@ -214,7 +215,9 @@ class OpenAIServer:
                     if seq.finish is FinishReason.ABORT:
                         raise ApiError(503, SERVER_ABORTED)
                     logprobs = render([lp for o in outputs for lp in o.logprobs or ()]) if render else None
-                    return web.json_response(endpoint.whole(meta, seq, "".join(o.text for o in outputs), logprobs))
+                    prompt = responses.prompt_logprobs(self._token_text, seq.prompt_ids, outputs[0].prompt_logprobs)
+                    return web.json_response(endpoint.whole(meta, seq, "".join(o.text for o in outputs), logprobs,
+                                                            prompt))
                 chunk_meta = Completion(meta.id, endpoint.chunk_object, created, meta.model)
                 return await self._stream(request, seq, body.stream_options, chunk_meta,
                                           endpoint.chunker(chunk_meta, seq, render))

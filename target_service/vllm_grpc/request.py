@@ -1,7 +1,7 @@
 """vLLM's gRPC GenerateRequest (`vllm.grpc.engine`, from smg-grpc-proto) as the engine's GenerateRequest.
 
 Every SamplingParams field maps onto ours or, when it asks for what Tandem does not serve yet
-(prompt_logprobs, n > 1, ...), is refused with INVALID_ARGUMENT naming it. Unset and zero values mean
+(n > 1, truncate_prompt_tokens, ...), is refused with INVALID_ARGUMENT naming it. Unset and zero values mean
 what the gateway means by them: temperature unset is 1.0, top_p 0 is 1.0, top_k 0 is off,
 repetition_penalty 0 is off, max_tokens unset fills the context.
 """
@@ -72,10 +72,12 @@ def sampling_params(params: vllm_engine_pb2.SamplingParams) -> generation_pb2.Sa
         ours.max_tokens = params.max_tokens
     if params.HasField("seed"):
         ours.seed = params.seed & UINT64_MASK
-    if params.HasField("logprobs"):
-        if params.logprobs < 0:  # vLLM's -1, every token's, is not served
-            raise invalid("sampling_params.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {params.logprobs}")
-        ours.logprobs = params.logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        if params.HasField(name):
+            count = getattr(params, name)
+            if count < 0:  # vLLM's -1, every token's, is not served
+                raise invalid(f"sampling_params.{name}", f"must be in [0, {MAX_LOGPROBS}], got {count}")
+            setattr(ours, name, count)
     constraint = _constraint(params)
     if constraint is not None:
         ours.structured_outputs.CopyFrom(constraint)
@@ -89,9 +91,8 @@ def _refuse_unserved(params: vllm_engine_pb2.SamplingParams) -> None:
     field = "sampling_params."
     if params.n > 1:
         raise _refuse(field + "n", f"{params.n} is not supported yet; one sample per request")
-    for name in ("prompt_logprobs", "truncate_prompt_tokens"):
-        if params.HasField(name):
-            raise _refuse(field + name)
+    if params.HasField("truncate_prompt_tokens"):
+        raise _refuse(field + "truncate_prompt_tokens")
 
 
 def _logit_bias(params: vllm_engine_pb2.SamplingParams) -> dict[int, float]:

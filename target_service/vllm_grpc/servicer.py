@@ -56,37 +56,42 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             async with self.serving.session(ours) as seq:
                 self._running[seq.request_id] = seq
                 logprobs: list[TokenLogprob] = []  # of the tokens not streamed yet
+                prompt: vllm_engine_pb2.InputLogProbs | None = None  # the prompt's, until streamed
                 try:
                     async for output in self.serving.outputs(seq):
                         if output.finish is not None:
                             break
                         logprobs += output.logprobs or ()
+                        if output.prompt_logprobs is not None:
+                            prompt = _input_logprobs(seq.prompt_ids, output.prompt_logprobs)
                         if request.stream and output.token_ids:
                             yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
                                 token_ids=output.token_ids, prompt_tokens=len(seq.prompt_ids),
-                                completion_tokens=len(output.token_ids), output_logprobs=_logprobs(logprobs)))
-                            logprobs = []
+                                completion_tokens=len(output.token_ids), output_logprobs=_logprobs(logprobs),
+                                input_logprobs=prompt))
+                            logprobs, prompt = [], None
                 finally:
                     del self._running[seq.request_id]
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             err = err.renamed(FIELD_NAMES, "sampling_params.")
             await context.abort(err.code, err.message)
         if seq.finish is not FinishReason.ABORT:
-            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(seq, request.stream, logprobs))
+            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(seq, request.stream, logprobs, prompt))
         elif seq.request_id in self._cancelled:
             self._cancelled.discard(seq.request_id)
             await context.abort(grpc.StatusCode.CANCELLED, "aborted by an Abort call")
         else:
             await context.abort(grpc.StatusCode.UNAVAILABLE, SERVER_ABORTED)
 
-    def _complete(self, seq: Sequence, streamed: bool, logprobs: list[TokenLogprob]) -> vllm_engine_pb2.GenerateComplete:
-        """output_ids, and their logprobs when asked: every generated token, unless they were streamed already."""
+    def _complete(self, seq: Sequence, streamed: bool, logprobs: list[TokenLogprob],
+                  prompt: vllm_engine_pb2.InputLogProbs | None) -> vllm_engine_pb2.GenerateComplete:
+        """output_ids, and their logprobs and the prompt's when asked, unless they were streamed already."""
         generated = seq.token_ids[len(seq.prompt_ids):]
         complete = vllm_engine_pb2.GenerateComplete(
             output_ids=[] if streamed else generated, finish_reason=seq.finish.value,
             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(generated),
             spec_accepted_tokens=seq.accepted_tokens, spec_draft_tokens=seq.draft_tokens,
-            output_logprobs=_logprobs(logprobs))
+            output_logprobs=_logprobs(logprobs), input_logprobs=prompt)
         stop = seq.stop_reason
         if isinstance(stop, str):
             complete.matched_stop_str = stop
@@ -198,5 +203,16 @@ def _logprobs(logprobs: list[TokenLogprob]) -> vllm_engine_pb2.OutputLogProbs | 
         return None
     return vllm_engine_pb2.OutputLogProbs(
         token_logprobs=[lp.logprob for lp in logprobs], token_ids=[lp.token for lp in logprobs],
-        top_logprobs=[vllm_engine_pb2.TopLogProbs(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top])
-                      for lp in logprobs])
+        top_logprobs=[_top(lp) for lp in logprobs])
+
+
+def _input_logprobs(prompt_ids: list[int], logprobs: list[TokenLogprob]) -> vllm_engine_pb2.InputLogProbs:
+    """One entry per prompt token; the first, with nothing before it, has no value and no top."""
+    return vllm_engine_pb2.InputLogProbs(
+        token_logprobs=[vllm_engine_pb2.InputTokenLogProb(),
+                        *(vllm_engine_pb2.InputTokenLogProb(value=lp.logprob) for lp in logprobs)],
+        token_ids=prompt_ids, top_logprobs=[vllm_engine_pb2.TopLogProbs(), *(_top(lp) for lp in logprobs)])
+
+
+def _top(logprob: TokenLogprob) -> vllm_engine_pb2.TopLogProbs:
+    return vllm_engine_pb2.TopLogProbs(values=[v for _, v in logprob.top], token_ids=[t for t, _ in logprob.top])

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from kernels.logprobs import row_logprobs, token_logprobs, top_entries
+from kernels.logprobs import row_logprobs, sequence_logprobs, token_logprobs, top_entries
 
 
 def test_each_token_gets_its_rows_logprob_rank_and_top():
@@ -50,3 +50,11 @@ def test_top_entries_equal_torch_topk():
         values, ids = top_entries(rows, n)
         expected_values, expected_ids = rows.topk(n, dim=-1)
         assert torch.equal(values, expected_values) and torch.equal(ids, expected_ids)
+
+
+def test_a_sequences_logprobs_in_chunks_equal_its_rows_at_once():
+    logits = 5 * torch.randn(11, 300, generator=torch.Generator().manual_seed(6))
+    tokens = torch.randint(0, 300, (11,), generator=torch.Generator().manual_seed(7)).tolist()
+    at_once = token_logprobs(row_logprobs(logits, 3), list(range(11)), tokens, [3] * 11)
+    assert sequence_logprobs(logits, tokens, 3, chunk_rows=4) == at_once
+    assert sequence_logprobs(logits[:0], [], 3) == []

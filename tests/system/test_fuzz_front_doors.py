@@ -61,6 +61,7 @@ SANE = {
     "n": st.sampled_from([None, 1]),
     "logprobs": st.sampled_from([None, False, True, 2]),
     "top_logprobs": st.sampled_from([None, 0, 3]),
+    "prompt_logprobs": st.sampled_from([None, 0, 2]),
     "presence_penalty": st.sampled_from([None, 0, 0.5, -1.5]),
     "frequency_penalty": st.sampled_from([None, 0, 0.3]),
     "repetition_penalty": st.sampled_from([None, 1.0, 1.3]),
@@ -166,6 +167,7 @@ VLLM_WILD = {
     "stop": st.lists(texts, max_size=20), "stop_token_ids": st.lists(st.integers(0, U32), max_size=4),
     "seed": st.integers(-2**31, 2**31 - 1), "frequency_penalty": wild_floats, "presence_penalty": wild_floats,
     "min_tokens": st.integers(0, U32), "logprobs": st.integers(-2**31, 2**31 - 1),
+    "prompt_logprobs": st.integers(-2**31, 2**31 - 1),
     "logit_bias": st.dictionaries(st.integers(-2**31, 2**31 - 1), wild_floats, max_size=3),
 }
 

@@ -16,11 +16,13 @@ def _logprobs(result) -> list[tuple]:
 
 def test_logprobs_with_speculation_are_the_target_alones(model_pair):
     alone, speculative, penalized_alone, penalized = run_requests(model_pair[1].address, [
-        greedy_request(PROMPT, 40, speculate=False, logprobs=5), greedy_request(PROMPT, 40, logprobs=5),
+        greedy_request(PROMPT, 40, speculate=False, logprobs=5, prompt_logprobs=1),
+        greedy_request(PROMPT, 40, logprobs=5, prompt_logprobs=1),
         greedy_request(PROMPT, 40, speculate=False, logprobs=2, frequency_penalty=1.0),
         greedy_request(PROMPT, 40, logprobs=2, frequency_penalty=1.0)])
     assert speculative.token_ids == alone.token_ids and speculative.accepted_tokens > 0
     assert _logprobs(speculative) == _logprobs(alone)
+    assert speculative.prompt_logprobs == alone.prompt_logprobs and len(alone.prompt_logprobs) == alone.prompt_tokens - 1
     assert [lp.token_id for lp in alone.logprobs] == alone.token_ids
     assert all(len(lp.top_token_ids) == 5 and lp.rank == 1 for lp in alone.logprobs), "greedy: rank 1"
     assert _logprobs(penalized) == _logprobs(penalized_alone) and penalized.accepted_tokens > 0
@@ -29,4 +31,4 @@ def test_logprobs_with_speculation_are_the_target_alones(model_pair):
 
 def test_without_logprobs_none_are_sent(model_pair):
     [result] = run_requests(model_pair[1].address, [greedy_request(PROMPT, 8)])
-    assert result.logprobs == []
+    assert result.logprobs == [] and result.prompt_logprobs == []

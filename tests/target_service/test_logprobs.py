@@ -85,3 +85,57 @@ def test_vllm_engine_sends_output_logprobs_streamed_or_not(front_doors, expected
             assert [v for p in parts for v in p.token_logprobs] == [lp.logprob for lp in expected.logprobs]
             assert [list(top.token_ids) for p in parts for top in p.top_logprobs] == \
                 [list(lp.top_token_ids) for lp in expected.logprobs]
+
+
+@pytest.fixture(scope="module")
+def prompt_expected(front_doors, tokenizer):
+    """tandem.v1's prompt logprobs (2 top per token) for PROMPT's chat ids, which it sends in its first response."""
+    ids = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    [result] = run_requests(front_doors.address, [greedy_request(PROMPT, 2, prompt_logprobs=2)])
+    assert [lp.token_id for lp in result.prompt_logprobs] == ids[1:]
+    assert all(len(lp.top_token_ids) == 2 and lp.rank >= 1 for lp in result.prompt_logprobs)
+    return ids, result.prompt_logprobs
+
+
+def _vllm_shape(entry: dict, lp, tokenizer) -> None:
+    """One position of vLLM's OpenAI prompt_logprobs: the prompt token and the top 2, by token id."""
+    assert entry[str(lp.token_id)]["logprob"] == lp.logprob and entry[str(lp.token_id)]["rank"] == lp.rank
+    for rank, (token, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), 1):
+        assert entry[str(token)] == {"logprob": value, "rank": rank, "decoded_token": tokenizer.decode([token])}
+    assert len(entry) == 3 - (lp.token_id in lp.top_token_ids)
+
+
+def test_prompt_logprobs_on_openai_chat_and_completions_not_streamed(client, prompt_expected, tokenizer):
+    ids, expected = prompt_expected
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 2}).model_dump()
+    text = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=2, temperature=0,
+                                     extra_body={"prompt_logprobs": 2}).model_dump()
+    for entries in (chat["prompt_logprobs"], text["choices"][0]["prompt_logprobs"]):
+        assert entries[0] is None and len(entries) == len(ids)
+        for entry, lp in zip(entries[1:], expected):
+            _vllm_shape(entry, lp, tokenizer)
+    assert client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=1,
+                                          temperature=0).model_dump()["prompt_logprobs"] is None
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=1, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs" and "stream" in info.value.body["message"]
+
+
+def test_vllm_engine_sends_input_logprobs_in_the_first_chunk_or_the_complete(front_doors, prompt_expected):
+    ids, expected = prompt_expected
+    with grpc.insecure_channel(front_doors.address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        for stream in (False, True):
+            request = vllm_engine_pb2.GenerateRequest(
+                request_id=f"plp-{stream}", stream=stream, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=ids),
+                sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2))
+            responses = list(stub.Generate(request, timeout=60))
+            carriers = [r.chunk if r.HasField("chunk") else r.complete for r in responses]
+            [got] = [c.input_logprobs for c in carriers if c.HasField("input_logprobs")]
+            assert carriers[0].HasField("input_logprobs"), "the first message carries them"
+            assert list(got.token_ids) == ids and not got.token_logprobs[0].HasField("value")
+            assert [v.value for v in got.token_logprobs[1:]] == [lp.logprob for lp in expected]
+            assert [list(top.token_ids) for top in got.top_logprobs[1:]] == [list(lp.top_token_ids) for lp in expected]

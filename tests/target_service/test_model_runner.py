@@ -185,3 +185,25 @@ def test_logprobs_of_verified_tokens_are_the_target_alones_bit_for_bit(runner):
         values = torch.tensor([ours.logprob, *(v for _, v in ours.top)])
         torch.testing.assert_close(values, torch.tensor([theirs.logprob, *(v for _, v in theirs.top)]),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_logprobs_score_each_prompt_token_after_the_ones_before_it(runner):
+    """Row j of the prompt scores token j + 1: the logits a prefill of the first j + 1 tokens ends on.
+    Asking for them changes neither the first token nor another item of the batch."""
+    prompt, other = list(range(3, 12)), list(range(20, 26))
+    sampling = Sampling(temperature=1.0, seed=5)
+    plain = runner.prefill([PrefillItem(0, prompt, sampling), PrefillItem(1, other, sampling)])
+    asked = runner.prefill([PrefillItem(0, prompt, sampling, prompt_logprobs=2), PrefillItem(1, other, sampling)])
+    assert [r.tokens for r in asked] == [r.tokens for r in plain] and asked[1].prompt_logprobs is None
+    scored = asked[0].prompt_logprobs
+    assert [lp.token for lp in scored] == prompt[1:]
+    for j, lp in enumerate(scored):
+        row = torch.log_softmax(runner.model.run([SequenceChunk(slot=2, start=0, token_ids=prompt[: j + 1])])[0], -1)
+        top_values, top_ids = row.topk(2)
+        assert lp.rank == int((row > row[lp.token]).sum()) + 1 and [t for t, _ in lp.top] == top_ids.tolist()
+        values = torch.tensor([lp.logprob, *(v for _, v in lp.top)])
+        expected = torch.cat([row[lp.token : lp.token + 1], top_values])
+        if runner.model.native:  # batch-invariant: a row does not depend on how many rows run with it
+            assert torch.equal(values, expected)
+        else:  # the PyTorch decoder's sums depend on the number of rows: float32 rounding, a few ulps
+            torch.testing.assert_close(values, expected, rtol=1e-5, atol=1e-5)
