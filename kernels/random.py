@@ -153,3 +153,8 @@ def tl_race_weights(seed, position, salt: tl.constexpr, index):
     bits = tl_random_bits(seed, position, salt, index)
     u = (bits.to(tl.float64) + 0.5) * 2.3283064365386963e-10
     return (-1.0 / tl.log(u)).to(tl.float32)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed` (n > 1): seed + index, as vLLM seeds its samples."""
+    return (seed + index) & ((1 << 63) - 1)

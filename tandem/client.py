@@ -59,10 +59,23 @@ async def generate(
     on_text: Callable[[str], None] | None = None,
     timeout: float | None = None,
 ) -> GenerationResult:
-    result = GenerationResult()
+    """A request of one sample (n unset or 1); on_text gets each text delta as it arrives."""
+    [result] = await generate_samples(stub, request, on_text, timeout)
+    return result
+
+
+async def generate_samples(
+    stub: generation_pb2_grpc.GenerationStub,
+    request: generation_pb2.GenerateRequest,
+    on_text: Callable[[str], None] | None = None,
+    timeout: float | None = None,
+) -> list[GenerationResult]:
+    """Each of the request's n samples, by index; times count from sending, for each sample."""
+    results: dict[int, GenerationResult] = {}
     start = time.perf_counter()
     async for response in stub.Generate(request, timeout=timeout):
         now = time.perf_counter() - start
+        result = results.setdefault(response.index, GenerationResult())
         if response.token_ids and not result.token_ids:
             result.ttft = now
         result.token_ids.extend(response.token_ids)
@@ -79,8 +92,8 @@ async def generate(
             result.draft_tokens = usage.draft_tokens
             result.accepted_tokens = usage.accepted_tokens
             result.draft_steps = usage.draft_steps
-    result.elapsed = time.perf_counter() - start
-    return result
+            result.elapsed = now
+    return [results[index] for index in sorted(results)]
 
 
 def chat_request(

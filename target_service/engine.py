@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import grpc
 
+from kernels.random import sample_seed
 from target_service.config import TargetConfig
 from target_service.draft_plan import DraftPlan
 from target_service.errors import RequestError
@@ -50,33 +51,42 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def new_sequence(self, request_id: str, prompt_ids: list[int], options: RequestOptions,
-                     grammar: Matcher | None = None) -> Sequence:
-        """grammar: the matcher of options.constraint, fresh (RequestGrammars.matcher_for)."""
-        seq_id = next(self._ids)
+    def new_sequences(self, request_id: str, prompt_ids: list[int], options: RequestOptions,
+                      grammars: list[Matcher | None] | None = None) -> list[Sequence]:
+        """The request's options.n samples, sample i seeded seed + i, sharing one outbox.
+
+        grammars: one fresh matcher of options.constraint per sample (RequestGrammars.matchers_for)."""
         eos = frozenset() if options.ignore_eos else self.tokenizer.eos_token_ids
-        return Sequence(
+        arrival, outbox, first_id = time.perf_counter(), asyncio.Queue(), next(self._ids)
+        seq_ids = [first_id, *(next(self._ids) for _ in range(options.n - 1))]
+        name = request_id or f"req-{first_id}"
+        return [Sequence(
             seq_id=seq_id,
-            request_id=request_id or f"req-{seq_id}",
+            request_id=name if options.n == 1 else f"{name}-{index}",
             prompt_ids=prompt_ids,
-            options=options,
-            arrival=time.perf_counter(),
+            options=options if index == 0 else replace(
+                options, sampling=replace(options.sampling, seed=sample_seed(options.sampling.seed, index))),
+            arrival=arrival,
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=options.skip_special_tokens, context_ids=prompt_ids
             ),
             stops=StopChecker(options.stop, options.stop_token_ids | eos, options.include_stop_str_in_output),
-            grammar=grammar,
-        )
+            outbox=outbox,
+            index=index,
+            group=first_id,
+            grammar=grammars[index] if grammars else None,
+        ) for index, seq_id in enumerate(seq_ids)]
 
     @property
     def accepting(self) -> bool:
         """False once draining has begun: new requests get UNAVAILABLE."""
         return self._accepting
 
-    def submit(self, seq: Sequence) -> None:
+    def submit(self, samples: list[Sequence]) -> None:
+        """Queue one request's samples (new_sequences)."""
         if not self._accepting:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        self.scheduler.add(seq)
+        self.scheduler.add(samples)
         self._work.set()
         self.speculator.notify()  # a wait for drafts may end for it
 
@@ -146,13 +156,18 @@ class Engine:
             await self._publish(plan.seqs, results, outputs, firsts)
 
     async def _prefill(self, admitted: list[Sequence]) -> list[Verified]:
-        items = [PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling, grammar=s.grammar,
-                             logits_context=s.logits_context(), logprobs=s.options.logprobs,
-                             prompt_logprobs=s.options.prompt_logprobs) for s in admitted]
+        """A request's first sample runs the prompt; its other samples (admitted right after it) copy its KV."""
+        first = {}  # group -> the batch index of its first sample
+        items = []
+        for b, s in enumerate(admitted):
+            items.append(PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling,
+                                     grammar=s.grammar, logits_context=s.logits_context(), logprobs=s.options.logprobs,
+                                     prompt_logprobs=s.options.prompt_logprobs, copy_of=first.get(s.group)))
+            first.setdefault(s.group, b)
         started = time.perf_counter()
         results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
-        self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in admitted))
+        self.metrics.prompt_tokens.inc(sum(len(i.prompt_ids) for i in items if i.copy_of is None))
         return results
 
     async def _verify(self, plan: DraftPlan) -> tuple[list[Verified], float]:
@@ -226,7 +241,7 @@ class Engine:
     def _retire(self, seq: Sequence) -> None:
         """Last message to the client, metrics, and Close to the drafter."""
         reason = seq.finish or FinishReason.ABORT
-        seq.outbox.put_nowait(Output(token_ids=[], text="", num_accepted=0, finish=reason))
+        seq.outbox.put_nowait(Output(token_ids=[], text="", num_accepted=0, finish=reason, index=seq.index))
         self.metrics.child(self.metrics.request_success, finish_reason=reason.value).inc()
         self.metrics.e2e.observe(time.perf_counter() - seq.arrival)
         self.speculator.release(seq)

@@ -1,7 +1,9 @@
 """The model work of one target step, run on the executor thread over snapshots of sequence state.
 
 Prefill: each new prompt is run and its first token sampled at position len(prompt); a prompt whose
-logprobs are asked for keeps the logits of every position, which score its own tokens.
+logprobs are asked for keeps the logits of every position, which score its own tokens. The other
+samples of a request (n > 1) run nothing: they copy the first sample's prompt KV into their slots
+and sample the same logits row with their own seeds.
 Verify: a sequence with committed tokens x[0..n-1] has KV for n-1 of them; it runs
 [x[n-1], d1..dk] at positions n-1..n-1+k, so k+1 rows of p, and emits accepted drafts plus one
 recovered or bonus token. With no drafts (k = 0) this is a plain decode step.
@@ -47,6 +49,7 @@ class PrefillItem:
     logits_context: LogitsContext | None = None  # penalties, bans, biases: None when none applies
     logprobs: int | None = None  # top log-probabilities to return with the token; None: none
     prompt_logprobs: int | None = None  # the same for each prompt token from the second on; None: none
+    copy_of: int | None = None  # the batch index of an item with the same prompt: copy its KV, sample its row
 
     @property
     def num_logits(self) -> int:
@@ -104,10 +107,21 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = ()) -> list[Verified]:
         """Each item's first token; capture: also the features of these target layers (Verified.features)."""
-        chunks = [SequenceChunk(slot=i.slot, start=0, token_ids=i.prompt_ids, num_logits=i.num_logits) for i in items]
+        runs = [b for b, i in enumerate(items) if i.copy_of is None]  # the items whose prompts run
+        chunks = [SequenceChunk(slot=items[b].slot, start=0, token_ids=items[b].prompt_ids,
+                                num_logits=items[b].num_logits) for b in runs]
         masks = self._start_masks([(i.grammar, ()) for i in items])
         logits, features = self._forward(chunks, capture)  # [sum(num_logits), vocab]
-        logits, prompt_logprobs = _prompt_logprobs(logits, items)  # [B, vocab]: each prompt's last row
+        logits, prompt_logprobs = _prompt_logprobs(logits, [items[b] for b in runs])  # [runs, vocab]: last rows
+        if len(runs) < len(items):  # samples of one prompt: its KV copied, its row repeated
+            run_of = {b: r for r, b in enumerate(runs)}
+            rows = [run_of[b if i.copy_of is None else i.copy_of] for b, i in enumerate(items)]
+            for item in items:
+                if item.copy_of is not None:
+                    self.model.kv_cache.copy_positions(items[item.copy_of].slot, item.slot, 0, len(item.prompt_ids))
+            logits = logits[self._long(rows)]  # [B, vocab]
+            features = [features[r] for r in rows]
+            prompt_logprobs = [prompt_logprobs[run_of[b]] if b in run_of else None for b in range(len(items))]
         raw = _raw_logprobs(logits, list(enumerate(items)), [1] * len(items))  # before masks and rules
         self._apply_masks(logits, masks)
         _process_logits(logits, [(b, i) for b, i in enumerate(items)])

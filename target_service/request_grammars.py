@@ -14,8 +14,9 @@ class RequestGrammars:
         self.compiler = compiler
         self.metrics = metrics
 
-    async def matcher_for(self, constraint: Constraint) -> Matcher:
-        """A fresh matcher for the constraint; INVALID_ARGUMENT naming its field when it cannot be compiled.
+    async def matchers_for(self, constraint: Constraint, count: int) -> list[Matcher]:
+        """count fresh matchers for the constraint (one per sample); INVALID_ARGUMENT naming its field
+        when it cannot be compiled.
 
         A compile past the deadline is abandoned by this request, not stopped: the parser's limits
         bound it, and its grammar is cached for the next request that sends the same constraint.
@@ -25,7 +26,7 @@ class RequestGrammars:
         if compiled is None:
             compiled = await self._compile(constraint)
             self.metrics.grammar_compile.observe(compiled.compile_seconds)
-        return compiled.matcher()
+        return [compiled.matcher() for _ in range(count)]
 
     async def _compile(self, constraint: Constraint) -> CompiledGrammar:
         timeout = self.compiler.limits.compile_seconds

@@ -1,11 +1,13 @@
 """The target's scheduler: the waiting queue, the running batch, admission and the KV slots.
 
-A sequence is WAITING from submit to admission, RUNNING while it holds a KV slot, and FINISHED
+A request's n samples wait, and are admitted, together: their prefill is shared (one forward, the
+prompt's KV copied to the other samples' slots). A sequence is WAITING from submit to admission, RUNNING while it holds a KV slot, and FINISHED
 once its slot is freed. A running sequence whose finish reason is set keeps its slot until the
 step that used it has published its tokens: `release_finished` then frees it.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,21 +48,22 @@ class Scheduler:
         """The share of the KV cache in use: each running sequence holds one whole slot."""
         return 1 - self.kv_cache.num_free_slots / self.kv_cache.num_slots
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a sequence; RESOURCE_EXHAUSTED when the queue is full beyond what the next step admits."""
-        if len(self.waiting) - self._free_capacity() >= self.max_queue:
+    def add(self, samples: list[Sequence]) -> None:
+        """Queue a request's samples; RESOURCE_EXHAUSTED when the queue is full beyond what the next step admits."""
+        if len(self.waiting) + len(samples) - 1 - self._free_capacity() >= self.max_queue:
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.max_queue} requests are already waiting for a free slot "
                 f"(--max-queue {self.max_queue}); retry later",
             )
-        self.sequences[seq.seq_id] = seq
-        self.waiting.append(seq)
+        for seq in samples:
+            self.sequences[seq.seq_id] = seq
+            self.waiting.append(seq)
         self.metrics.waiting.set(len(self.waiting))
 
     def can_admit(self) -> bool:
-        """A request waits, and a running slot and a KV slot are free for it."""
-        return bool(self.waiting) and self._free_capacity() > 0
+        """A request waits, and running slots and KV slots are free for all its waiting samples."""
+        return bool(self.waiting) and self._free_capacity() >= len(self._next_group())
 
     def schedule(self) -> ScheduledBatch:
         """Admit what fits; the sequences already running and live decode or verify."""
@@ -90,16 +93,22 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         admitted = []
         while self.can_admit():
-            seq = self.waiting.popleft()
-            seq.slot = self.kv_cache.allocate()
-            seq.status = SequenceStatus.RUNNING
-            seq.admitted_at = time.perf_counter()
-            self.metrics.queue_time.observe(seq.admitted_at - seq.arrival)
-            self.running.append(seq)
-            admitted.append(seq)
+            for seq in self._next_group():
+                self.waiting.popleft()
+                seq.slot = self.kv_cache.allocate()
+                seq.status = SequenceStatus.RUNNING
+                seq.admitted_at = time.perf_counter()
+                self.metrics.queue_time.observe(seq.admitted_at - seq.arrival)
+                self.running.append(seq)
+                admitted.append(seq)
         self.metrics.waiting.set(len(self.waiting))
         self.metrics.running.set(len(self.running))
         return admitted
+
+    def _next_group(self) -> list[Sequence]:
+        """The first waiting request's waiting samples: they stand together at the head of the queue."""
+        group = self.waiting[0].group
+        return list(itertools.takewhile(lambda seq: seq.group == group, self.waiting))
 
     def _free_capacity(self) -> int:
         """Requests the next step can admit: waiting for it is not queueing."""

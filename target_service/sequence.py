@@ -37,6 +37,7 @@ class RequestOptions:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # the top log-probabilities to return per generated token; None: none
     prompt_logprobs: int | None = None  # the same per prompt token, from the second on
+    n: int = 1  # samples of the prompt, each its own sequence, sharing one prefill
 
 
 class SequenceStatus(enum.Enum):
@@ -61,6 +62,7 @@ class Output:
     finish: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # the first output's: prompt tokens 1.., when asked
+    index: int = 0  # which of the request's n samples it belongs to
 
 
 @dataclass(eq=False, slots=True)
@@ -72,7 +74,9 @@ class Sequence:
     arrival: float
     detokenizer: IncrementalDetokenizer
     stops: StopChecker
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # shared by the request's samples
+    index: int = 0  # which of the request's n samples this is
+    group: int = 0  # the seq_id of the request's first sample: the samples are admitted and prefilled together
     token_ids: list[int] = field(default_factory=list)  # prompt + committed
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
@@ -86,6 +90,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
+        self.group = self.group or self.seq_id
 
     @property
     def num_generated(self) -> int:
@@ -150,7 +155,7 @@ class Sequence:
             if hit_stop_string:  # the text the last token completed holds a stop string: it stopped there
                 finish = FinishReason.STOP
         output = Output(token_ids=emitted, text="".join(text_parts), num_accepted=min(num_accepted, len(emitted)),
-                        logprobs=None if logprobs is None else logprobs[: len(emitted)])
+                        logprobs=None if logprobs is None else logprobs[: len(emitted)], index=self.index)
         return output, finish
 
     @property

@@ -48,9 +48,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            async with self.serving.session(request) as seq:
-                async for output in self.serving.outputs(seq):
-                    yield self._response(seq, output)
+            async with self.serving.session(request) as samples:
+                async for output in self.serving.outputs(samples):
+                    yield self._response(samples[output.index], output)
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             await context.abort(err.code, err.message)
 
@@ -62,6 +62,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             server_elapsed_ns=int((time.perf_counter() - seq.arrival) * 1e9),
             logprobs=_token_logprobs(output.logprobs),
             prompt_logprobs=_token_logprobs(output.prompt_logprobs),
+            index=output.index,
         )
         if output.finish is not None:
             response.finish_reason = _FINISH[output.finish]

@@ -29,34 +29,35 @@ class Serving:
     grammars: RequestGrammars
 
     @contextlib.asynccontextmanager
-    async def session(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[Sequence]:
-        """The request's sequence, queued in the engine, for the length of the block; RequestError
-        when it is refused. Leaving the block aborts the sequence (a no-op once it finished), so a
-        door that stops early for any reason (its client left, a write failed, its call was
-        cancelled) frees the slot at once."""
-        seq = await self._submit(request)
+    async def session(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[list[Sequence]]:
+        """The request's samples (one unless it asks for n), queued in the engine, for the length of
+        the block; RequestError when it is refused. Leaving the block aborts them (a no-op for those
+        that finished), so a door that stops early for any reason (its client left, a write failed,
+        its call was cancelled) frees their slots at once."""
+        samples = await self._submit(request)
         try:
-            yield seq
+            yield samples
         finally:
-            self.engine.abort(seq)
+            for seq in samples:
+                self.engine.abort(seq)
 
-    async def _submit(self, request: generation_pb2.GenerateRequest) -> Sequence:
+    async def _submit(self, request: generation_pb2.GenerateRequest) -> list[Sequence]:
         prompt_ids, options = validate_request(
             request, self.loaded.tokenizer, self.config, self.loaded.name, self.loaded.config.vocab_size
         )
-        grammar = await self.grammars.matcher_for(options.constraint) if options.constraint else None
-        seq = self.engine.new_sequence(request.request_id, prompt_ids, options, grammar)
-        self.engine.submit(seq)
-        return seq
+        grammars = await self.grammars.matchers_for(options.constraint, options.n) if options.constraint else None
+        samples = self.engine.new_sequences(request.request_id, prompt_ids, options, grammars)
+        self.engine.submit(samples)
+        return samples
 
     @staticmethod
-    async def outputs(seq: Sequence) -> AsyncIterator[Output]:
-        """The sequence's outputs up to the one that finishes it."""
-        while True:
-            output = await seq.outbox.get()
+    async def outputs(samples: list[Sequence]) -> AsyncIterator[Output]:
+        """The samples' outputs as they come (Output.index says whose), up to the last one that finishes."""
+        outbox, running = samples[0].outbox, len(samples)
+        while running:
+            output = await outbox.get()
             yield output
-            if output.finish is not None:
-                return
+            running -= output.finish is not None
 
     @property
     def drafter_model(self) -> str | None:

@@ -79,6 +79,9 @@ def sampling_options(
     _check_min_tokens(params, max_tokens, constraint)
     _check_rules_with_constraint(sampling, constraint)
     logprobs, prompt_logprobs = _top_count(params, "logprobs"), _top_count(params, "prompt_logprobs")
+    n = params.n if params.HasField("n") else 1
+    if not 1 <= n <= config.max_num_seqs:
+        raise invalid("n", f"must be in [1, {config.max_num_seqs}] (--max-num-seqs: the samples run at once), got {n}")
     k = params.num_speculative_tokens if params.HasField("num_speculative_tokens") else config.num_speculative_tokens
     if k > MAX_SPECULATIVE_TOKENS:
         raise invalid("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}")
@@ -96,6 +99,7 @@ def sampling_options(
         include_stop_str_in_output=params.include_stop_str_in_output,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        n=n,
     )
 
 

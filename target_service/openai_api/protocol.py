@@ -3,7 +3,7 @@
 The models declare every field a request may carry: OpenAI's names and vLLM's extensions side by
 side, and Tandem's own (`speculate`, `num_speculative_tokens`, `drafter_invariant`), the way vLLM
 takes its extensions. A field nobody declared is refused (OpenAI's own API does the same); a field
-declared but not served yet (n > 1, tools) is taken only at the
+declared but not served yet (tools, echo) is taken only at the
 value that turns it off. Value ranges are the engine's to check (validation.py), once for every
 front door.
 """
@@ -114,8 +114,7 @@ class _Request(_Body):
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=UINT32_MAX)
     drafter_invariant: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's; not with stream
-    # Declared, not served yet: only the value that turns each off is taken (UNSERVED).
-    n: Any = None
+    n: int | None = Field(default=None, ge=1, le=UINT32_MAX)  # samples, each its own choice
 
 
 class ChatCompletionRequest(_Request):
@@ -159,7 +158,7 @@ class DetokenizeRequest(_Body):
 
 # The value of each unserved field that asks for nothing; `None` (unset) always does too.
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "tools": (), "tool_choice": ("none",),
+    "tools": (), "tool_choice": ("none",),
     "parallel_tool_calls": (), "functions": (), "function_call": ("none",), "add_generation_prompt": (True,),
     "continue_final_message": (False,), "add_special_tokens": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "echo": (False,), "best_of": (1,), "suffix": (),
@@ -255,6 +254,8 @@ def sampling_params(body: _Request, max_tokens: int | None) -> generation_pb2.Sa
             setattr(params, name, value)
     if body.seed is not None:
         params.seed = body.seed & UINT64_MASK
+    if body.n is not None:
+        params.n = body.n
     if body.prompt_logprobs is not None and not body.stream:
         params.prompt_logprobs = body.prompt_logprobs
     if max_tokens is not None:

@@ -25,22 +25,29 @@ class Completion:
                 "choices": choices, **extra}
 
 
-def usage(seq: Sequence) -> dict[str, Any]:
-    prompt, completion = len(seq.prompt_ids), seq.num_generated
+def usage(samples: list[Sequence]) -> dict[str, Any]:
+    """The prompt once, and every sample's tokens."""
+    prompt, completion = len(samples[0].prompt_ids), sum(seq.num_generated for seq in samples)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def speculation_metrics(seq: Sequence) -> dict[str, Any] | None:
-    """vLLM's per-request `metrics.speculative_decoding` (what aiperf reads); None when the request
-    did not speculate.
+def speculation_metrics(samples: list[Sequence]) -> dict[str, Any] | None:
+    """vLLM's per-request `metrics.speculative_decoding` (what aiperf reads), over every sample; None
+    when the request did not speculate.
 
     acceptance_histogram[a] counts the draft steps that committed a drafts: it has k + 1 entries and
     sums to num_spec_steps."""
-    k = seq.options.num_speculative_tokens
-    if not seq.options.speculate or k == 0:
+    options = samples[0].options
+    k = options.num_speculative_tokens
+    if not options.speculate or k == 0:
         return None
-    histogram = seq.acceptance_histogram + [0] * (k + 1 - len(seq.acceptance_histogram))
-    steps, drafts, accepted = seq.draft_steps, seq.draft_tokens, seq.accepted_tokens
+    histogram = [0] * (k + 1)
+    for seq in samples:
+        for accepted, steps in enumerate(seq.acceptance_histogram):
+            histogram[accepted] += steps
+    steps = sum(seq.draft_steps for seq in samples)
+    drafts = sum(seq.draft_tokens for seq in samples)
+    accepted = sum(seq.accepted_tokens for seq in samples)
     return {"speculative_decoding": {
         "num_spec_tokens": k,
         "num_spec_steps": steps,
@@ -104,43 +111,48 @@ def _finite(logprob: float) -> float:
     return max(logprob, LOWEST_LOGPROB)
 
 
-def chat_response(meta: Completion, seq: Sequence, text: str, logprobs: dict[str, Any] | None = None,
-                  prompt: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
-    """prompt: the prompt's logprobs (prompt_logprobs), which vLLM puts beside the choices."""
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-              "finish_reason": finish_reason(seq), "stop_reason": seq.stop_reason}
-    return meta.body([choice], usage=usage(seq), metrics=speculation_metrics(seq), prompt_logprobs=prompt)
+Prompt = list[dict[str, Any] | None] | None  # the prompt's logprobs (prompt_logprobs), when asked
 
 
-def text_response(meta: Completion, seq: Sequence, text: str, logprobs: dict[str, Any] | None = None,
-                  prompt: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
-    """prompt: the prompt's logprobs (prompt_logprobs), which vLLM puts in the choice."""
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(seq),
-              "stop_reason": seq.stop_reason, "prompt_logprobs": prompt}
-    return meta.body([choice], usage=usage(seq), metrics=speculation_metrics(seq))
+def chat_response(meta: Completion, samples: list[Sequence], texts: list[str], logprobs: list[dict[str, Any] | None],
+                  prompt: Prompt = None) -> dict[str, Any]:
+    """A choice per sample; the prompt's logprobs go beside the choices, as vLLM puts them."""
+    choices = [{"index": seq.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                "finish_reason": finish_reason(seq), "stop_reason": seq.stop_reason}
+               for seq, text, lp in zip(samples, texts, logprobs, strict=True)]
+    return meta.body(choices, usage=usage(samples), metrics=speculation_metrics(samples), prompt_logprobs=prompt)
 
 
-def chat_chunk(meta: Completion, delta: dict[str, Any], seq: Sequence | None = None,
+def text_response(meta: Completion, samples: list[Sequence], texts: list[str], logprobs: list[dict[str, Any] | None],
+                  prompt: Prompt = None) -> dict[str, Any]:
+    """A choice per sample, each with the prompt's logprobs, as vLLM puts them."""
+    choices = [{"index": seq.index, "text": text, "logprobs": lp, "finish_reason": finish_reason(seq),
+                "stop_reason": seq.stop_reason, "prompt_logprobs": prompt}
+               for seq, text, lp in zip(samples, texts, logprobs, strict=True)]
+    return meta.body(choices, usage=usage(samples), metrics=speculation_metrics(samples))
+
+
+def chat_chunk(meta: Completion, seq: Sequence, delta: dict[str, Any], finished: bool = False,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A delta; with `seq`, the last chunk of the choice, which carries why it finished."""
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-    if seq is not None:
+    """A delta of seq's choice; `finished`: the choice's last chunk, which carries why it finished."""
+    choice = {"index": seq.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+    if finished:
         choice.update(finish_reason=finish_reason(seq), stop_reason=seq.stop_reason)
     return meta.body([choice])
 
 
-def text_chunk(meta: Completion, text: str, seq: Sequence | None = None,
+def text_chunk(meta: Completion, seq: Sequence, text: str, finished: bool = False,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
-    if seq is not None:
+    choice = {"index": seq.index, "text": text, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
+    if finished:
         choice.update(finish_reason=finish_reason(seq), stop_reason=seq.stop_reason)
     return meta.body([choice])
 
 
-def usage_chunk(meta: Completion, seq: Sequence) -> dict[str, Any]:
+def usage_chunk(meta: Completion, samples: list[Sequence]) -> dict[str, Any]:
     """The stream's last chunk when the client asked for usage: no choices."""
-    extra: dict[str, Any] = {"usage": usage(seq)}
-    metrics = speculation_metrics(seq)
+    extra: dict[str, Any] = {"usage": usage(samples)}
+    metrics = speculation_metrics(samples)
     if metrics is not None:
         extra["metrics"] = metrics
     return meta.body([], **extra)

@@ -82,7 +82,7 @@ class Endpoint:
     id_prefix: str
     object: str
     chunk_object: str
-    whole: Callable[[Completion, Sequence, str, dict[str, Any] | None, list[dict[str, Any] | None] | None],
+    whole: Callable[[Completion, list[Sequence], list[str], list[dict[str, Any] | None], responses.Prompt],
                     dict[str, Any]]
     chunker: Callable[[Completion, Sequence, Render | None], Callable[[Output], list[dict[str, Any]]]]
     logprobs: Callable[[responses.Logprobs, list[TokenLogprob]], dict[str, Any]]
@@ -98,13 +98,13 @@ def _chat_chunks(meta: Completion, seq: Sequence, render: Render | None) -> Call
         nonlocal role_sent
         out = []
         if output.token_ids and not role_sent:
-            out.append(responses.chat_chunk(meta, {"role": "assistant", "content": ""}))
+            out.append(responses.chat_chunk(meta, seq, {"role": "assistant", "content": ""}))
             role_sent = True
         logprobs = render(output.logprobs) if render is not None and output.logprobs else None
         if output.text or logprobs is not None:
-            out.append(responses.chat_chunk(meta, {"content": output.text}, logprobs=logprobs))
+            out.append(responses.chat_chunk(meta, seq, {"content": output.text}, logprobs=logprobs))
         if output.finish is not None:
-            out.append(responses.chat_chunk(meta, {}, seq))
+            out.append(responses.chat_chunk(meta, seq, {}, finished=True))
         return out
 
     return chunks
@@ -113,9 +113,9 @@ def _chat_chunks(meta: Completion, seq: Sequence, render: Render | None) -> Call
 def _text_chunks(meta: Completion, seq: Sequence, render: Render | None) -> Callable[[Output], list[dict[str, Any]]]:
     def chunks(output: Output) -> list[dict[str, Any]]:
         logprobs = render(output.logprobs) if render is not None and output.logprobs else None
-        out = [responses.text_chunk(meta, output.text, logprobs=logprobs)] if output.text or logprobs else []
+        out = [responses.text_chunk(meta, seq, output.text, logprobs=logprobs)] if output.text or logprobs else []
         if output.finish is not None:
-            out.append(responses.text_chunk(meta, "", seq))
+            out.append(responses.text_chunk(meta, seq, "", finished=True))
         return out
 
     return chunks
@@ -208,21 +208,29 @@ class OpenAIServer:
         created = int(time.time())
         meta = Completion(f"{endpoint.id_prefix}-{request_id}", endpoint.object, created, self.serving.loaded.name)
         try:
-            async with self.serving.session(ours) as seq:
-                render = self._render(seq, endpoint)
+            async with self.serving.session(ours) as samples:
                 if not body.stream:
-                    outputs = [output async for output in self.serving.outputs(seq)]
-                    if seq.finish is FinishReason.ABORT:
-                        raise ApiError(503, SERVER_ABORTED)
-                    logprobs = render([lp for o in outputs for lp in o.logprobs or ()]) if render else None
-                    prompt = responses.prompt_logprobs(self._token_text, seq.prompt_ids, outputs[0].prompt_logprobs)
-                    return web.json_response(endpoint.whole(meta, seq, "".join(o.text for o in outputs), logprobs,
-                                                            prompt))
+                    return web.json_response(await self._whole(samples, meta, endpoint))
                 chunk_meta = Completion(meta.id, endpoint.chunk_object, created, meta.model)
-                return await self._stream(request, seq, body.stream_options, chunk_meta,
-                                          endpoint.chunker(chunk_meta, seq, render))
+                chunkers = [endpoint.chunker(chunk_meta, seq, self._render(seq, endpoint)) for seq in samples]
+                return await self._stream(request, samples, body.stream_options, chunk_meta, chunkers)
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             raise ApiError.of_request_error(err, renamed) from None
+
+    async def _whole(self, samples: list[Sequence], meta: Completion, endpoint: Endpoint) -> dict[str, Any]:
+        """The body of a request not streamed: a choice per sample, once every sample finished."""
+        outputs = [output async for output in self.serving.outputs(samples)]
+        if any(output.finish is FinishReason.ABORT for output in outputs):
+            raise ApiError(503, SERVER_ABORTED)
+        texts, logprobs = [], []
+        for seq in samples:
+            mine = [output for output in outputs if output.index == seq.index]
+            texts.append("".join(output.text for output in mine))
+            render = self._render(seq, endpoint)
+            logprobs.append(render([lp for output in mine for lp in output.logprobs or ()]) if render else None)
+        prompt = next((output.prompt_logprobs for output in outputs if output.prompt_logprobs is not None), None)
+        return endpoint.whole(meta, samples, texts, logprobs,
+                              responses.prompt_logprobs(self._token_text, samples[0].prompt_ids, prompt))
 
     def _render(self, seq: Sequence, endpoint: Endpoint) -> Render | None:
         """How this request's logprobs are shown; None when it asked for none."""
@@ -246,9 +254,10 @@ class OpenAIServer:
                                 f"`{self.serving.loaded.name}`", "model", "model_not_found")
         return body
 
-    async def _stream(self, request: web.Request, seq: Sequence, options: protocol.StreamOptions | None,
-                      meta: Completion, chunks: Callable[[Output], list[dict[str, Any]]]) -> web.StreamResponse:
-        """Server-sent events: the chunks of each output, the usage chunk if asked, then [DONE].
+    async def _stream(self, request: web.Request, samples: list[Sequence], options: protocol.StreamOptions | None,
+                      meta: Completion, chunkers: list[Callable[[Output], list[dict[str, Any]]]]) -> web.StreamResponse:
+        """Server-sent events: the chunks of each output (chunkers[i]: sample i's), the usage chunk if
+        asked, then [DONE].
 
         Once the stream has started, nothing can change its status: a client that left or stalled
         ends it quietly (the session aborts the sequence), and any other failure is one error
@@ -257,22 +266,22 @@ class OpenAIServer:
         continuous = include_usage and options.continuous_usage_stats
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
             try:
-                async for output in self.serving.outputs(seq):
+                async for output in self.serving.outputs(samples):
                     if output.finish is FinishReason.ABORT:
                         await sse.send(json.dumps(responses.error_body(SERVER_ABORTED, "server_error")))
                         break
-                    for chunk in chunks(output):
+                    for chunk in chunkers[output.index](output):
                         if continuous:
-                            chunk["usage"] = responses.usage(seq)
+                            chunk["usage"] = responses.usage(samples)
                         await sse.send(json.dumps(chunk))
                 else:
                     if include_usage:
-                        await sse.send(json.dumps(responses.usage_chunk(meta, seq)))
+                        await sse.send(json.dumps(responses.usage_chunk(meta, samples)))
                 await sse.send("[DONE]")
             except (ConnectionResetError, TimeoutError):
                 pass
             except Exception:
-                log.exception("%s: the stream failed", seq.request_id)
+                log.exception("%s: the stream failed", samples[0].request_id)
                 with contextlib.suppress(ConnectionResetError, TimeoutError):
                     await sse.send(json.dumps(responses.error_body("internal error; the server logged it",
                                                                    "server_error")))

@@ -1,7 +1,7 @@
 """vLLM's gRPC GenerateRequest (`vllm.grpc.engine`, from smg-grpc-proto) as the engine's GenerateRequest.
 
 Every SamplingParams field maps onto ours or, when it asks for what Tandem does not serve yet
-(n > 1, truncate_prompt_tokens, ...), is refused with INVALID_ARGUMENT naming it. Unset and zero values mean
+(truncate_prompt_tokens, ...), is refused with INVALID_ARGUMENT naming it. Unset and zero values mean
 what the gateway means by them: temperature unset is 1.0, top_p 0 is 1.0, top_k 0 is off,
 repetition_penalty 0 is off, max_tokens unset fills the context.
 """
@@ -68,6 +68,8 @@ def sampling_params(params: vllm_engine_pb2.SamplingParams) -> generation_pb2.Sa
         ours.top_p = params.top_p
     if params.min_p:
         ours.min_p = params.min_p
+    if params.n:  # 0: unset, one sample
+        ours.n = params.n
     if params.HasField("max_tokens"):
         ours.max_tokens = params.max_tokens
     if params.HasField("seed"):
@@ -89,8 +91,6 @@ def _refuse_unserved(params: vllm_engine_pb2.SamplingParams) -> None:
     first shapes only text, which this protocol does not carry (the gateway detokenizes); the
     second asks for what this engine always does, a constraint from the first generated token."""
     field = "sampling_params."
-    if params.n > 1:
-        raise _refuse(field + "n", f"{params.n} is not supported yet; one sample per request")
     if params.HasField("truncate_prompt_tokens"):
         raise _refuse(field + "truncate_prompt_tokens")
 

@@ -14,6 +14,7 @@ import io
 import json
 import time
 import zipfile
+from dataclasses import dataclass, field
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
@@ -21,7 +22,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from kernels.logprobs import TokenLogprob
 from target_service.errors import RequestError
-from target_service.sequence import FinishReason, Sequence
+from target_service.sequence import FinishReason, Output, Sequence
 from target_service.serving import SERVER_ABORTED, Serving
 from target_service.vllm_grpc.request import FIELD_NAMES, engine_request
 
@@ -35,63 +36,62 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, serving: Serving):
         self.serving = serving
         self.started = time.time()
-        self._running: dict[str, Sequence] = {}  # by the gateway's request_id, for Abort
+        self._running: dict[str, list[Sequence]] = {}  # a request's samples, by the gateway's request_id, for Abort
         self._cancelled: set[str] = set()  # running request ids an Abort call ended
         self._bundle: bytes | None = None  # GetTokenizer's zip
 
     # ---- generation ---------------------------------------------------------------------------
 
     async def Generate(self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        """Delta chunks of new token ids when streaming, then one complete message. A request the
-        server aborts ends with UNAVAILABLE, which the gateway retries elsewhere when nothing was
-        sent; one that an Abort call ended, with CANCELLED."""
-        if request.request_id in self._running:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request.request_id!r} is running "
+        """Per sample (`index`), delta chunks of new token ids when streaming, then one complete
+        message. A request the server aborts ends with UNAVAILABLE, which the gateway retries
+        elsewhere when nothing was sent; one that an Abort call ended, with CANCELLED."""
+        request_id = request.request_id
+        if request_id in self._running:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is running "
                                                                  "already; give each request its own id")
         try:
             ours = engine_request(request)  # its refusals name their fields in this protocol's terms already
         except RequestError as err:
             await context.abort(err.code, err.message)
+        aborted = False
         try:
-            async with self.serving.session(ours) as seq:
-                self._running[seq.request_id] = seq
-                logprobs: list[TokenLogprob] = []  # of the tokens not streamed yet
-                prompt: vllm_engine_pb2.InputLogProbs | None = None  # the prompt's, until streamed
+            async with self.serving.session(ours) as samples:
+                self._running[request_id] = samples
+                unsent = [_Unsent() for _ in samples]
                 try:
-                    async for output in self.serving.outputs(seq):
-                        if output.finish is not None:
+                    async for output in self.serving.outputs(samples):
+                        seq, pending = samples[output.index], unsent[output.index]
+                        if output.finish is FinishReason.ABORT:
+                            aborted = True
                             break
-                        logprobs += output.logprobs or ()
-                        if output.prompt_logprobs is not None:
-                            prompt = _input_logprobs(seq.prompt_ids, output.prompt_logprobs)
+                        if output.finish is not None:
+                            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(seq, request.stream, pending))
+                            continue
+                        pending.add(seq, output)
                         if request.stream and output.token_ids:
-                            yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
-                                token_ids=output.token_ids, prompt_tokens=len(seq.prompt_ids),
-                                completion_tokens=len(output.token_ids), output_logprobs=_logprobs(logprobs),
-                                input_logprobs=prompt))
-                            logprobs, prompt = [], None
+                            yield vllm_engine_pb2.GenerateResponse(chunk=pending.chunk(seq, output))
                 finally:
-                    del self._running[seq.request_id]
+                    del self._running[request_id]
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             err = err.renamed(FIELD_NAMES, "sampling_params.")
             await context.abort(err.code, err.message)
-        if seq.finish is not FinishReason.ABORT:
-            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(seq, request.stream, logprobs, prompt))
-        elif seq.request_id in self._cancelled:
-            self._cancelled.discard(seq.request_id)
+        if not aborted:
+            return
+        if request_id in self._cancelled:
+            self._cancelled.discard(request_id)
             await context.abort(grpc.StatusCode.CANCELLED, "aborted by an Abort call")
-        else:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, SERVER_ABORTED)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, SERVER_ABORTED)
 
-    def _complete(self, seq: Sequence, streamed: bool, logprobs: list[TokenLogprob],
-                  prompt: vllm_engine_pb2.InputLogProbs | None) -> vllm_engine_pb2.GenerateComplete:
+    @staticmethod
+    def _complete(seq: Sequence, streamed: bool, unsent: _Unsent) -> vllm_engine_pb2.GenerateComplete:
         """output_ids, and their logprobs and the prompt's when asked, unless they were streamed already."""
         generated = seq.token_ids[len(seq.prompt_ids):]
         complete = vllm_engine_pb2.GenerateComplete(
             output_ids=[] if streamed else generated, finish_reason=seq.finish.value,
             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(generated),
             spec_accepted_tokens=seq.accepted_tokens, spec_draft_tokens=seq.draft_tokens,
-            output_logprobs=_logprobs(logprobs), input_logprobs=prompt)
+            output_logprobs=_logprobs(unsent.logprobs), input_logprobs=unsent.prompt, index=seq.index)
         stop = seq.stop_reason
         if isinstance(stop, str):
             complete.matched_stop_str = stop
@@ -102,9 +102,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Abort(self, request: vllm_engine_pb2.AbortRequest, context) -> vllm_engine_pb2.AbortResponse:
         """Unknown and finished ids are no error: the gateway aborts whatever stream it dropped."""
         for request_id in request.request_ids:
-            seq = self._running.get(request_id)
-            if seq is not None and seq.finish is None:
+            live = [seq for seq in self._running.get(request_id, ()) if seq.finish is None]
+            if live:
                 self._cancelled.add(request_id)
+            for seq in live:
                 self.serving.engine.abort(seq)
         return vllm_engine_pb2.AbortResponse()
 
@@ -195,6 +196,27 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat()
+
+
+@dataclass(slots=True)
+class _Unsent:
+    """One sample's logprobs not sent yet: they go with its next chunk, or in its complete message."""
+
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt: vllm_engine_pb2.InputLogProbs | None = None
+
+    def add(self, seq: Sequence, output: Output) -> None:
+        self.logprobs += output.logprobs or ()
+        if output.prompt_logprobs is not None:
+            self.prompt = _input_logprobs(seq.prompt_ids, output.prompt_logprobs)
+
+    def chunk(self, seq: Sequence, output: Output) -> vllm_engine_pb2.GenerateStreamChunk:
+        """The output's tokens and what waited to be sent with them."""
+        chunk = vllm_engine_pb2.GenerateStreamChunk(
+            token_ids=output.token_ids, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(output.token_ids),
+            output_logprobs=_logprobs(self.logprobs), input_logprobs=self.prompt, index=seq.index)
+        self.logprobs, self.prompt = [], None
+        return chunk
 
 
 def _logprobs(logprobs: list[TokenLogprob]) -> vllm_engine_pb2.OutputLogProbs | None:

@@ -58,7 +58,7 @@ SANE = {
     "stop_token_ids": st.lists(st.integers(0, 49_151), max_size=2),
     "ignore_eos": st.booleans(),
     "stream": st.booleans(),
-    "n": st.sampled_from([None, 1]),
+    "n": st.sampled_from([None, 1, 2]),
     "logprobs": st.sampled_from([None, False, True, 2]),
     "top_logprobs": st.sampled_from([None, 0, 3]),
     "prompt_logprobs": st.sampled_from([None, 0, 2]),
@@ -156,7 +156,7 @@ VLLM_SANE = {
     "presence_penalty": st.sampled_from([0.0, 0.5]),
     "frequency_penalty": st.sampled_from([0.0, -0.4]),
     "max_tokens": st.integers(1, 4),
-    "n": st.sampled_from([0, 1]),
+    "n": st.sampled_from([0, 1, 2]),
     "stop": st.lists(st.text(min_size=1, max_size=8), max_size=2),
     "stop_token_ids": st.lists(st.integers(0, 49_151), max_size=2),
     "seed": st.integers(-2**31, 2**31 - 1),
@@ -232,7 +232,8 @@ def test_generated_vllm_engine_requests_end_cleanly_and_leave_the_server_sound(t
             seen[code.name] = seen.get(code.name, 0) + 1
             assert code in CLEAR_GRPC, f"{code.name} for {wire!r:.1000}"
             if code == grpc.StatusCode.OK:
-                assert responses[-1].HasField("complete")
+                completes = [r.complete.index for r in responses if r.HasField("complete")]
+                assert responses[-1].HasField("complete") and sorted(completes) == list(range(len(completes)))
             assert target.process.poll() is None, "the target died"
 
         check()

@@ -18,7 +18,7 @@ from target_service.metrics import TargetMetrics
 from target_service.scheduler import Scheduler
 from target_service.speculation import speculation_policy
 from target_service.speculator import Speculator
-from target_service.sequence import FinishReason, Output, RequestOptions, Sequence
+from target_service.sequence import FinishReason, Output, RequestOptions, Sequence, SequenceStatus
 from target_service.model_runner import PrefillItem, Verified, VerifyItem
 from tandem.v1 import drafter_pb2
 
@@ -67,10 +67,12 @@ class ScriptedRunner:
     def __init__(self, events: list):
         self.events = events
         self.verified: list[list[VerifyItem]] = []  # the items of every verify call
+        self.prefilled: list[list[PrefillItem]] = []  # the items of every prefill call
         self.prompts: dict[int, tuple[int, ...]] = {}  # slot -> the prompt last prefilled into it
 
     def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = ()) -> list[Verified]:
         self.events.append("prefill")
+        self.prefilled.append(items)
         self.prompts.update((item.slot, tuple(item.prompt_ids)) for item in items)
         return [Verified([CONTINUATIONS[tuple(item.prompt_ids)][0]], 0) for item in items]
 
@@ -124,8 +126,8 @@ class Harness:
                        speculate=True, num_speculative_tokens=MAX_K)
         options.update(overrides)
         sampling = Sampling(temperature=temperature, seed=1)
-        seq = self.engine.new_sequence("", list(prompt), RequestOptions(sampling=sampling, **options))
-        self.engine.submit(seq)
+        [seq] = self.engine.new_sequences("", list(prompt), RequestOptions(sampling=sampling, **options))
+        self.engine.submit([seq])
         return seq
 
     def propose(self, seq: Sequence, base_len: int, tokens=(), **extra) -> None:
@@ -428,6 +430,27 @@ async def test_an_aborted_sequence_is_closed_after_the_step_that_uses_it(make):
     await h.engine.step()
     assert h.link.told(seq)[-1] == ("close",)
     assert seq.slot is None and other.finish is None
+
+
+async def test_a_requests_samples_wait_for_room_for_all_then_share_one_prefill(make):
+    """n samples are admitted in one step or not at all; the first runs the prompt, the others copy
+    its KV (copy_of), and sample i is seeded seed + i."""
+    h = make(num_slots=3)
+    single = h.submit(OTHER_PROMPT)
+    await h.engine.step()
+    options = RequestOptions(sampling=Sampling(temperature=0.0, seed=40), max_tokens=12, stop=(),
+                             stop_token_ids=frozenset(), ignore_eos=False, skip_special_tokens=True, speculate=True,
+                             num_speculative_tokens=MAX_K, n=3)
+    samples = h.engine.new_sequences("", list(PROMPT), options)
+    h.engine.submit(samples)
+    await h.engine.step()
+    assert [s.status for s in samples] == [SequenceStatus.WAITING] * 3, "two free slots admit none of three"
+    h.engine.abort(single)
+    await h.engine.step()
+    assert [s.status for s in samples] == [SequenceStatus.RUNNING] * 3
+    assert [i.copy_of for i in h.runner.prefilled[-1]] == [None, 0, 0]
+    assert [s.options.sampling.seed for s in samples] == [40, 41, 42] and [s.index for s in samples] == [0, 1, 2]
+    assert all(s.token_ids == [*PROMPT, T[0]] for s in samples)
 
 
 # ---- reconnect ----------------------------------------------------------------------------------------

@@ -207,3 +207,24 @@ def test_prompt_logprobs_score_each_prompt_token_after_the_ones_before_it(runner
             assert torch.equal(values, expected)
         else:  # the PyTorch decoder's sums depend on the number of rows: float32 rounding, a few ulps
             torch.testing.assert_close(values, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_samples_of_one_prompt_share_its_prefill_and_continue_as_if_each_had_run_it(runner):
+    """A copy_of item runs no prompt: it takes the first item's KV and logits row, and samples with its
+    own seed. Its first token, and every decode step after, is what a prefill of its own gives."""
+    prompt, samplings = list(range(3, 14)), [Sampling(temperature=1.0, seed=s) for s in (11, 12, 13)]
+    shared = runner.prefill([PrefillItem(0, prompt, samplings[0]), PrefillItem(1, prompt, samplings[1], copy_of=0),
+                             PrefillItem(2, prompt, samplings[2], copy_of=0)])
+    own = [runner.prefill([PrefillItem(3, prompt, sampling)])[0] for sampling in samplings]
+    assert [r.tokens for r in shared] == [r.tokens for r in own]
+    greedy = Sampling()
+    for slot in (1, 2):  # decode on in each copied slot and in a slot that ran the prompt itself
+        runner.prefill([PrefillItem(3, prompt, greedy)])
+        tokens = {}
+        for s in (slot, 3):
+            committed = prompt + shared[slot].tokens
+            for _ in range(4):
+                [step] = runner.verify([VerifyItem(s, len(committed), committed[-1], None, greedy)])
+                committed += step.tokens
+            tokens[s] = committed
+        assert tokens[slot] == tokens[3]

@@ -117,7 +117,7 @@ def test_structured_output_maps_onto_the_constraint(stub, tokenizer):
     (dict(logit_bias={10**8: 1.0}), "sampling_params.logit_bias"),
     (dict(logit_bias={5: 101.0}), "sampling_params.logit_bias"),
     (dict(min_tokens=9, max_tokens=4), "sampling_params.min_tokens"),
-    (dict(n=2), "sampling_params.n"),
+    (dict(n=999), "sampling_params.n"),
     (dict(logprobs=-1), "sampling_params.logprobs"),
     (dict(logprobs=21), "sampling_params.logprobs"),
     (dict(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),
