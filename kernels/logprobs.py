@@ -53,8 +53,9 @@ def top_entries(rows: torch.Tensor, n: int, block: int = 64) -> tuple[torch.Tens
     if vocab <= 4 * n * block:
         return rows.topk(n, dim=-1)
     blocks = -(-vocab // block)
-    padded = torch.nn.functional.pad(rows, (0, blocks * block - vocab), value=float("-inf"))
-    tiles = padded.view(num_rows, blocks, block)  # [R, B, block]
+    if vocab % block:  # real vocabularies (49152, 128256) are whole blocks: no copy
+        rows = torch.nn.functional.pad(rows, (0, blocks * block - vocab), value=float("-inf"))
+    tiles = rows.reshape(num_rows, blocks, block)  # [R, B, block]
     _, best = tiles.amax(dim=-1).topk(n, dim=-1)  # [R, n]
     candidates = tiles.gather(1, best[:, :, None].expand(-1, -1, block)).view(num_rows, n * block)
     values, where = candidates.topk(n, dim=-1)  # [R, n]
@@ -63,24 +64,23 @@ def top_entries(rows: torch.Tensor, n: int, block: int = 64) -> tuple[torch.Tens
 
 def token_logprobs(rows: RowLogprobs, row_index: list[int], tokens: list[int],
                    top_n: list[int]) -> list[TokenLogprob]:
-    """The logprob of tokens[i] at row row_index[i], with its top_n[i] (<= rows.top_n) alternatives;
-    one host sync for them all.
+    """The logprob of tokens[i] at row row_index[i], with its top_n[i] (<= rows.top_n) alternatives.
 
     rank = 1 + the tokens more likely than it. When the token is at least as likely as the last
-    top entry, those are all among the top entries; only other rows count over the vocabulary."""
-    device = rows.logprobs.device
-    at = torch.tensor(row_index, dtype=torch.int64, device=device)  # [T]
-    index = torch.tensor(tokens, dtype=torch.int64, device=device)  # [T]
-    chosen = rows.logprobs[at, index][:, None]  # [T, 1]
-    values = rows.top_values[at]  # [T, N]
-    ranks = (values > chosen).sum(dim=1) + 1  # [T]
-    outside = (chosen[:, 0] < values[:, -1]).nonzero()[:, 0]  # [O]
-    if outside.numel():
-        ranks[outside] = (rows.logprobs[at[outside]] > chosen[outside]).sum(dim=1) + 1
-    top_values, top_ids = values.tolist(), rows.top_ids[at].tolist()
-    return [TokenLogprob(token, logprob, rank, tuple(zip(ids[:n], row_values[:n])))
-            for token, logprob, rank, ids, row_values, n
-            in zip(tokens, chosen[:, 0].tolist(), ranks.tolist(), top_ids, top_values, top_n)]
+    top entry, those are all among the top entries; only other tokens are counted over their row.
+    A handful of tokens per step: the top entries come to the host once, and the rest is Python."""
+    at, index = torch.tensor([row_index, tokens], dtype=torch.int64, device=rows.logprobs.device)  # [T] each
+    chosen = rows.logprobs[at, index].tolist()  # [T]
+    top_values, top_ids = rows.top_values.tolist(), rows.top_ids.tolist()  # [R, N]
+    ranks = [1 + sum(value > logprob for value in top_values[row]) for row, logprob in zip(row_index, chosen)]
+    outside = [i for i, (row, logprob) in enumerate(zip(row_index, chosen)) if logprob < top_values[row][-1]]
+    if outside:  # one pass over their rows for them all
+        beyond = torch.tensor(outside, dtype=torch.int64, device=at.device)
+        counts = (rows.logprobs[at[beyond]] > rows.logprobs[at[beyond], index[beyond]][:, None]).sum(dim=1)
+        for i, count in zip(outside, counts.tolist()):
+            ranks[i] = 1 + count
+    return [TokenLogprob(token, logprob, rank, tuple(zip(top_ids[row][:n], top_values[row][:n])))
+            for row, token, logprob, rank, n in zip(row_index, tokens, chosen, ranks, top_n)]
 
 
 def sequence_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int, chunk_rows: int = 256) -> list[TokenLogprob]:

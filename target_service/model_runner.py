@@ -334,8 +334,11 @@ def _raw_logprobs(logits: torch.Tensor, items: list[tuple[int, PrefillItem | Ver
         first_rows[b] = len(rows)
         rows.extend(range(items[b][0], items[b][0] + counts[b]))
     top_n = {b: items[b][1].logprobs for b in wanted}
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    return RawLogprobs(row_logprobs(logits[index], max(top_n.values())), first_rows, top_n)
+    if rows == list(range(rows[0], rows[-1] + 1)):  # one run of rows (every item asked): a view, no copy
+        wanted_rows = logits[rows[0] : rows[-1] + 1]
+    else:
+        wanted_rows = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+    return RawLogprobs(row_logprobs(wanted_rows, max(top_n.values())), first_rows, top_n)
 
 
 def _with_logprobs(results: list[Verified], raw: RawLogprobs | None) -> list[Verified]:
