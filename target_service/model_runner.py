@@ -29,7 +29,7 @@ from kernels.bitmask import allowed_tokens, apply_forbidden, apply_token_bitmask
 from kernels.compression import CompressedProbs, concat, no_probs
 from kernels.gumbel import verify_invariant
 from kernels.logits_processors import LogitsContext, process_logits
-from kernels.logprobs import RowLogprobs, TokenLogprob, row_logprobs, sequence_logprobs, token_logprobs
+from kernels.logprobs import TokenLogprob, row_logprobs, sequence_logprobs, token_logprobs
 from kernels.rejection import rejection_sample
 from kernels.sampling import Sampling, probs_of, sample
 from target_service.drafts import UsableDrafts
@@ -122,7 +122,7 @@ class ModelRunner:
             logits = logits[self._long(rows)]  # [B, vocab]
             features = [features[r] for r in rows]
             prompt_logprobs = [prompt_logprobs[run_of[b]] if b in run_of else None for b in range(len(items))]
-        raw = _raw_logprobs(logits, list(enumerate(items)), [1] * len(items))  # before masks and rules
+        raw = _raw_rows(logits, list(enumerate(items)), [1] * len(items))  # before masks and rules
         self._apply_masks(logits, masks)
         _process_logits(logits, [(b, i) for b, i in enumerate(items)])
         tokens = [0] * len(items)
@@ -153,7 +153,7 @@ class ModelRunner:
         masks = self._start_masks([(i.grammar, i.drafts.tokens if i.drafts else ()) for i in items])
         logits, features = self._forward(chunks, capture)  # [sum(k_i + 1), vocab]
         firsts = self._first_rows(items)
-        raw = _raw_logprobs(logits, list(zip(firsts, items)), [i.num_drafts + 1 for i in items])  # before masks, rules
+        raw = _raw_rows(logits, list(zip(firsts, items)), [i.num_drafts + 1 for i in items])  # before masks, rules
         self._apply_masks(logits, masks)
         _process_logits(logits, list(zip(firsts, items)))
         results: list[Verified | None] = [None] * len(items)
@@ -315,44 +315,41 @@ def _prompt_logprobs(logits: torch.Tensor, items: list[PrefillItem]
 
 
 @dataclass(frozen=True, slots=True)
-class RawLogprobs:
-    """The raw log-probabilities of a step's rows for the items that asked for them, computed at once."""
+class RawRows:
+    """The raw logits rows of the items that asked for logprobs, as the forward left them: a view of
+    the step's logits, or a copy for an item whose rows a grammar or logits rules change in place."""
 
-    rows: RowLogprobs
-    first_rows: dict[int, int]  # item -> its first row in `rows`
+    rows: dict[int, torch.Tensor]  # item -> its rows [k + 1, V] (a prefill's: [1, V])
     top_n: dict[int, int]  # item -> the top alternatives it asked for
 
 
-def _raw_logprobs(logits: torch.Tensor, items: list[tuple[int, PrefillItem | VerifyItem]],
-                  counts: list[int]) -> RawLogprobs | None:
-    """Before any processing: the log-probabilities of the rows of the items that asked for them."""
-    wanted = [b for b, (_, item) in enumerate(items) if item.logprobs is not None]
-    if not wanted:
-        return None
-    rows, first_rows = [], {}
-    for b in wanted:
-        first_rows[b] = len(rows)
-        rows.extend(range(items[b][0], items[b][0] + counts[b]))
-    top_n = {b: items[b][1].logprobs for b in wanted}
-    if rows == list(range(rows[0], rows[-1] + 1)):  # one run of rows (every item asked): a view, no copy
-        wanted_rows = logits[rows[0] : rows[-1] + 1]
-    else:
-        wanted_rows = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
-    return RawLogprobs(row_logprobs(wanted_rows, max(top_n.values())), first_rows, top_n)
+def _raw_rows(logits: torch.Tensor, items: list[tuple[int, PrefillItem | VerifyItem]],
+              counts: list[int]) -> RawRows | None:
+    """Before any processing: the rows of the items that ask for logprobs, kept as they are."""
+    rows, top_n = {}, {}
+    for b, (first, item) in enumerate(items):
+        if item.logprobs is None:
+            continue
+        view = logits[first : first + counts[b]]
+        rows[b] = view.clone() if item.grammar is not None or item.logits_context is not None else view
+        top_n[b] = item.logprobs
+    return RawRows(rows, top_n) if rows else None
 
 
-def _with_logprobs(results: list[Verified], raw: RawLogprobs | None) -> list[Verified]:
-    """The results with each emitted token's log-probability: an item's token j was drawn at its row j."""
+def _with_logprobs(results: list[Verified], raw: RawRows | None) -> list[Verified]:
+    """The results with each emitted token's log-probability: an item's token j was drawn at its row j.
+    Only the emitted rows are scored: a verify's rejected drafts cost nothing."""
     if raw is None:
         return results
-    rows, tokens, top_n = [], [], []
-    for b, first in raw.first_rows.items():
+    parts, tokens, top_n = [], [], []
+    for b, rows in raw.rows.items():
         emitted = results[b].tokens
-        rows += range(first, first + len(emitted))
+        parts.append(rows[: len(emitted)])
         tokens += emitted
         top_n += [raw.top_n[b]] * len(emitted)
-    logprobs = iter(token_logprobs(raw.rows, rows, tokens, top_n))
-    return [replace(r, logprobs=[next(logprobs) for _ in r.tokens]) if b in raw.first_rows else r
+    scored = row_logprobs(parts[0] if len(parts) == 1 else torch.cat(parts), max(top_n))  # [T, V]
+    logprobs = iter(token_logprobs(scored, list(range(len(tokens))), tokens, top_n))
+    return [replace(r, logprobs=[next(logprobs) for _ in r.tokens]) if b in raw.rows else r
             for b, r in enumerate(results)]
 
 
