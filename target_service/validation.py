@@ -78,6 +78,7 @@ def sampling_options(
     constraint = _constraint(params)
     _check_min_tokens(params, max_tokens, constraint)
     _check_rules_with_constraint(sampling, constraint)
+    _check_something_allowed(sampling, params, tokenizer)
     logprobs, prompt_logprobs = _top_count(params, "logprobs"), _top_count(params, "prompt_logprobs")
     n = params.n if params.HasField("n") else 1
     if not 1 <= n <= config.max_num_seqs:
@@ -119,6 +120,19 @@ def _check_min_tokens(params: generation_pb2.SamplingParams, max_tokens: int, co
     if params.min_tokens and constraint is not None:
         raise invalid("min_tokens", "is not supported with a structured-output constraint (structured_outputs "
                                     "or response_format) yet: the grammar may end the output first; leave it 0")
+
+
+def _check_something_allowed(sampling: Sampling, params: generation_pb2.SamplingParams, tokenizer: Tokenizer) -> None:
+    """An allow list whose every token another rule bans (a one-token bad word always; a stop token
+    while min_tokens holds) would leave a position with nothing to sample."""
+    if not sampling.allowed_token_ids:
+        return
+    left = set(sampling.allowed_token_ids) - {word[0] for word in sampling.bad_words if len(word) == 1}
+    if params.min_tokens:
+        left -= set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
+    if not left:
+        raise invalid("allowed_token_ids", "every allowed token is banned: by a one-token bad word, or as a stop "
+                                           "or end-of-sequence token while min_tokens holds; allow another token")
 
 
 def _check_rules_with_constraint(sampling: Sampling, constraint: Constraint | None) -> None:

@@ -72,3 +72,15 @@ def test_bad_words_are_tokenized_as_vllm_does(tokenizer):
 
     assert _bad_words(["sight"], tokenizer) == ((35076,), (6968,))
     assert _bad_words(["  rainbow"], tokenizer) == ((1155, 10314),)  # " rainbow" is one token: not added
+
+
+def test_an_allow_list_the_other_rules_empty_is_refused(front_doors, tokenizer):
+    """Nothing would be left to sample: refused by name, rather than sampling a banned token."""
+    url = front_doors.http_url + "/completions"
+    eos, yes = sorted(tokenizer.eos_token_ids)[0], _id(tokenizer, " yes")
+    for body in ({"allowed_token_ids": [eos], "min_tokens": 2}, {"allowed_token_ids": [yes], "bad_words": ["yes"]}):
+        response = httpx.post(url, json={"prompt": "hi", "max_tokens": 4, **body}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "allowed_token_ids", response.text
+    served = httpx.post(url, json={"prompt": "hi", "max_tokens": 4, "allowed_token_ids": [eos, yes], "min_tokens": 2},
+                        timeout=60)
+    assert served.status_code == 200 and served.json()["choices"][0]["text"].startswith(" yes yes")
