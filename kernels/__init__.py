@@ -10,9 +10,10 @@ Drafter, per draft token at absolute position t (rejection mode):
 Target, per step (sequences without drafts are requests with k = 0):
     c = unpack(bytes, k, K, vocab)              # InvalidDraftProbs: drop the proposal
     p = processed_probs(logits of the k+1 positions, ...)
-    rejection_sample(p, d, cu_num_draft_tokens, concat([c, no_probs(k_greedy), ...]), is_greedy, seeds, positions)
+    batch = VerifyBatch(p, d, cu_num_draft_tokens, seeds, positions)
+    rejection_sample(batch, concat([c, no_probs(k_greedy), ...]), is_greedy)
 Drafter-invariant mode: the drafter proposes sample(q, seeds, t) (shared TARGET_SALT noise) and
-sends ids only; the target calls verify_invariant(p, d, cu_num_draft_tokens, seeds, positions).
+sends ids only; the target calls verify_invariant(batch).
 """
 from kernels.checks import KernelInputError
 from kernels.compression import (
@@ -33,7 +34,7 @@ from kernels.compression import (
 )
 from kernels.gumbel import verify_invariant
 from kernels.random import ACCEPT_SALT, DRAFT_SALT, TARGET_SALT, fresh_seed
-from kernels.ragged import VerifyResult
+from kernels.ragged import VerifyBatch, VerifyResult
 from kernels.rejection import rejection_sample
 from kernels.sampling import processed_probs, sample
 
@@ -46,6 +47,7 @@ __all__ = [
     "CompressedProbs",
     "InvalidDraftProbs",
     "KernelInputError",
+    "VerifyBatch",
     "VerifyResult",
     "concat",
     "decode",

@@ -16,42 +16,23 @@ import torch
 
 from kernels._triton import jit, next_power_of_2, require_triton, tl
 from kernels.random import TARGET_SALT_C
-from kernels.ragged import (
-    VerifyResult,
-    check_ragged_batch,
-    emit_tokens,
-    empty_verify_result,
-    num_leading,
-    ragged_layout,
-)
+from kernels.ragged import VerifyBatch, VerifyResult, emit_tokens, launch_per_request, num_leading, ragged_layout
 from kernels.sampling import BLOCK_V, sample_reference, tl_race_argmax
 
 
-def verify_invariant(
-    target_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-) -> VerifyResult:
-    """Verify drafts (target_probs [T, V], draft_tokens [D]) against the target's own keyed draws."""
-    check_ragged_batch(target_probs, draft_tokens, cu_num_draft_tokens, seeds, positions)
-    args = (target_probs, draft_tokens, cu_num_draft_tokens, seeds, positions)
-    if target_probs.is_cuda:
-        return verify_invariant_triton(*args)
-    return verify_invariant_reference(*args)
+def verify_invariant(verify: VerifyBatch) -> VerifyResult:
+    """Verify the batch's drafts against the target's own keyed draws."""
+    verify.check()
+    if verify.target_probs.is_cuda:
+        return verify_invariant_triton(verify)
+    return verify_invariant_reference(verify)
 
 
-def verify_invariant_reference(
-    target_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-) -> VerifyResult:
+def verify_invariant_reference(verify: VerifyBatch) -> VerifyResult:
     """PyTorch reference of `verify_invariant`: the target's draw at every row, then leading matches."""
-    layout = ragged_layout(cu_num_draft_tokens)
-    batch = cu_num_draft_tokens.shape[0]
+    target_probs, draft_tokens, seeds, positions = verify.target_probs, verify.draft_tokens, verify.seeds, verify.positions
+    layout = ragged_layout(verify.cu_num_draft_tokens)
+    batch = verify.cu_num_draft_tokens.shape[0]
     requests = torch.arange(batch, device=target_probs.device)
     row_request = torch.repeat_interleave(requests, layout.num_drafts + 1)  # [T]
     row_local = torch.arange(row_request.shape[0], device=target_probs.device) - (layout.starts + requests)[row_request]
@@ -60,23 +41,10 @@ def verify_invariant_reference(
     return emit_tokens(draft_tokens, layout, num_accepted, drawn[layout.starts + requests + num_accepted])
 
 
-def verify_invariant_triton(
-    target_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-) -> VerifyResult:
+def verify_invariant_triton(verify: VerifyBatch) -> VerifyResult:
     """Launch `_verify_invariant_kernel`, one program per request."""
     require_triton()
-    batch, vocab = cu_num_draft_tokens.shape[0], target_probs.shape[1]
-    result = empty_verify_result(cu_num_draft_tokens)
-    if batch:
-        _verify_invariant_kernel[(batch,)](
-            result.tokens, result.num_accepted, target_probs, draft_tokens, cu_num_draft_tokens, seeds, positions,
-            vocab, result.tokens.shape[1], BLOCK=min(BLOCK_V, next_power_of_2(vocab)),
-        )  # fmt: skip
-    return result
+    return launch_per_request(_verify_invariant_kernel, verify, BLOCK=min(BLOCK_V, next_power_of_2(verify.vocab)))
 
 
 @jit(do_not_specialize=["vocab", "out_stride"])

@@ -49,6 +49,20 @@ def empty_verify_result(cu_num_draft_tokens: torch.Tensor) -> VerifyResult:
     return VerifyResult(tokens, torch.empty(batch, dtype=torch.int32, device=device))
 
 
+def launch_per_request(kernel, verify: VerifyBatch, between: tuple = (), after: tuple = (), **meta) -> VerifyResult:
+    """Run a verification Triton kernel, one program per request. Its arguments: the outputs (tokens,
+    num_accepted), target_probs, draft_tokens, cu_num_draft_tokens, `between`, seeds, positions, the
+    vocabulary, the outputs' row stride, `after`; `meta`: its constexprs."""
+    result = empty_verify_result(verify.cu_num_draft_tokens)
+    batch = verify.cu_num_draft_tokens.shape[0]
+    if batch:
+        kernel[(batch,)](
+            result.tokens, result.num_accepted, verify.target_probs, verify.draft_tokens, verify.cu_num_draft_tokens,
+            *between, verify.seeds, verify.positions, verify.vocab, result.tokens.shape[1], *after, **meta,
+        )  # fmt: skip
+    return result
+
+
 def ragged_layout(cu_num_draft_tokens: torch.Tensor) -> RaggedLayout:
     """Index maps for requests owning drafts [cu[b-1], cu[b]) and target rows shifted by b."""
     cu = cu_num_draft_tokens
@@ -68,32 +82,40 @@ def num_leading(flags: torch.Tensor, layout: RaggedLayout) -> torch.Tensor:
     return torch.minimum(padded.cumprod(dim=1).sum(dim=1), layout.num_drafts)
 
 
-def check_ragged_batch(
-    target_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-) -> None:
-    """Shapes, dtypes and consistency of a verification batch, and draft ids inside the vocabulary."""
-    device = target_probs.device
-    check_tensor("target_probs", target_probs, torch.float32, (None, None), device)
-    check_tensor("cu_num_draft_tokens", cu_num_draft_tokens, torch.int64, (None,), device)
-    if bool((num_drafts_per_request(cu_num_draft_tokens) < 0).any()):
-        raise KernelInputError("cu_num_draft_tokens: must be non-decreasing from >= 0")
-    batch, (num_tokens, vocab) = cu_num_draft_tokens.shape[0], target_probs.shape
-    num_draft = int(cu_num_draft_tokens[-1]) if batch else 0
-    check_tensor("draft_tokens", draft_tokens, torch.int64, (num_draft,), device)
-    check_tensor("seeds", seeds, torch.int64, (batch,), device)
-    check_tensor("positions", positions, torch.int64, (batch,), device)
-    if num_tokens != num_draft + batch:
-        raise KernelInputError(
-            f"target_probs: expected {num_draft + batch} rows (drafts + one per request), got {num_tokens}"
-        )
-    if vocab == 0:
-        raise KernelInputError("target_probs: the vocabulary is empty")
-    if bool(((draft_tokens < 0) | (draft_tokens >= vocab)).any()):
-        raise KernelInputError(f"draft_tokens: ids must be in [0, {vocab})")
+@dataclass(frozen=True, slots=True)
+class VerifyBatch:
+    """What every verification kernel reads: the target's rows and the drafts of B requests."""
+
+    target_probs: torch.Tensor  # [T, V] float32, T = D + B: a row per draft, then the bonus row
+    draft_tokens: torch.Tensor  # [D] int64
+    cu_num_draft_tokens: torch.Tensor  # [B] int64, inclusive cumulative drafts per request
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64, the position of each request's first verified row
+
+    @property
+    def vocab(self) -> int:
+        return self.target_probs.shape[1]
+
+    def check(self) -> None:
+        """Shapes, dtypes and consistency, and draft ids inside the vocabulary."""
+        device = self.target_probs.device
+        check_tensor("target_probs", self.target_probs, torch.float32, (None, None), device)
+        check_tensor("cu_num_draft_tokens", self.cu_num_draft_tokens, torch.int64, (None,), device)
+        if bool((num_drafts_per_request(self.cu_num_draft_tokens) < 0).any()):
+            raise KernelInputError("cu_num_draft_tokens: must be non-decreasing from >= 0")
+        batch, (num_tokens, vocab) = self.cu_num_draft_tokens.shape[0], self.target_probs.shape
+        num_draft = int(self.cu_num_draft_tokens[-1]) if batch else 0
+        check_tensor("draft_tokens", self.draft_tokens, torch.int64, (num_draft,), device)
+        check_tensor("seeds", self.seeds, torch.int64, (batch,), device)
+        check_tensor("positions", self.positions, torch.int64, (batch,), device)
+        if num_tokens != num_draft + batch:
+            raise KernelInputError(
+                f"target_probs: expected {num_draft + batch} rows (drafts + one per request), got {num_tokens}"
+            )
+        if vocab == 0:
+            raise KernelInputError("target_probs: the vocabulary is empty")
+        if bool(((self.draft_tokens < 0) | (self.draft_tokens >= vocab)).any()):
+            raise KernelInputError(f"draft_tokens: ids must be in [0, {vocab})")
 
 
 def emit_tokens(

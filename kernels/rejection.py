@@ -26,10 +26,10 @@ from kernels.compression import ONE, CompressedProbs, decode, to_dense
 from kernels.random import TARGET_SALT, TARGET_SALT_C, accept_uniforms, race_weights, tl_accept_uniform, tl_race_weights
 from kernels.ragged import (
     RaggedLayout,
+    VerifyBatch,
     VerifyResult,
-    check_ragged_batch,
     emit_tokens,
-    empty_verify_result,
+    launch_per_request,
     num_leading,
     ragged_layout,
 )
@@ -39,41 +39,26 @@ BLOCK_K = 16
 _INV_ONE = constexpr(1.0 / ONE)
 
 
-def rejection_sample(
-    target_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    draft_probs: CompressedProbs,
-    is_greedy: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-) -> VerifyResult:
-    """Verify drafts (target_probs [T, V], draft_tokens [D], q' [D, K]); rows of greedy requests in q' are ignored."""
-    check_ragged_batch(target_probs, draft_tokens, cu_num_draft_tokens, seeds, positions)
-    device, num_draft = target_probs.device, draft_tokens.shape[0]
+def rejection_sample(verify: VerifyBatch, draft_probs: CompressedProbs, is_greedy: torch.Tensor) -> VerifyResult:
+    """Verify the batch's drafts against q' [D, K]; is_greedy [B]: rows of greedy requests in q' are ignored."""
+    verify.check()
+    device, num_draft = verify.target_probs.device, verify.draft_tokens.shape[0]
     check_tensor("draft_probs.ids", draft_probs.ids, torch.int32, (num_draft, None), device)
     check_tensor("draft_probs.fixed", draft_probs.fixed, torch.uint16, (num_draft, draft_probs.k), device)
-    check_tensor("is_greedy", is_greedy, torch.bool, (cu_num_draft_tokens.shape[0],), device)
-    args = (target_probs, draft_tokens, cu_num_draft_tokens, draft_probs, is_greedy, seeds, positions)
-    if target_probs.is_cuda:
-        return rejection_sample_triton(*args)
-    return rejection_sample_reference(*args)
+    check_tensor("is_greedy", is_greedy, torch.bool, (verify.cu_num_draft_tokens.shape[0],), device)
+    if verify.target_probs.is_cuda:
+        return rejection_sample_triton(verify, draft_probs, is_greedy)
+    return rejection_sample_reference(verify, draft_probs, is_greedy)
 
 
-def rejection_sample_reference(
-    target_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    draft_probs: CompressedProbs,
-    is_greedy: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-) -> VerifyResult:
+def rejection_sample_reference(verify: VerifyBatch, draft_probs: CompressedProbs, is_greedy: torch.Tensor
+                               ) -> VerifyResult:
     """PyTorch reference of `rejection_sample`, vectorized over the whole batch."""
-    layout = ragged_layout(cu_num_draft_tokens)
-    batch, vocab = cu_num_draft_tokens.shape[0], target_probs.shape[1]
+    target_probs, draft_tokens, seeds, positions = verify.target_probs, verify.draft_tokens, verify.seeds, verify.positions
+    layout = ragged_layout(verify.cu_num_draft_tokens)
+    batch, vocab = verify.cu_num_draft_tokens.shape[0], verify.vocab
     q_draft = (decode(draft_probs) * (draft_probs.ids == draft_tokens[:, None])).sum(dim=1)  # [D] q'(d)
-    accepted = _accepted(target_probs, draft_tokens, q_draft, layout, is_greedy, seeds, positions)
+    accepted = _accepted(verify, q_draft, layout, is_greedy)
     num_accepted = num_leading(accepted, layout)  # [B]
     requests = torch.arange(batch, device=target_probs.device)
     p = target_probs[layout.starts + requests + num_accepted]  # [B, V] row of the last emitted token
@@ -92,16 +77,9 @@ def rejection_sample_reference(
     return emit_tokens(draft_tokens, layout, num_accepted, last)
 
 
-def _accepted(
-    target_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    q_draft: torch.Tensor,
-    layout: RaggedLayout,
-    is_greedy: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-) -> torch.Tensor:
+def _accepted(verify: VerifyBatch, q_draft: torch.Tensor, layout: RaggedLayout, is_greedy: torch.Tensor) -> torch.Tensor:
     """Whether each draft [D] passes its own test, ignoring earlier rejections."""
+    target_probs, draft_tokens, seeds, positions = verify.target_probs, verify.draft_tokens, verify.seeds, verify.positions
     greedy_ok = draft_tokens == target_probs.argmax(dim=1)[layout.rows]
     p_draft = target_probs[layout.rows, draft_tokens].to(torch.float64)  # [D] p(d)
     u = accept_uniforms(seeds[layout.request], positions[layout.request] + layout.local)
@@ -120,27 +98,12 @@ def _rejected_q(
     return to_dense(rows, vocab) * keep[:, None]
 
 
-def rejection_sample_triton(
-    target_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    draft_probs: CompressedProbs,
-    is_greedy: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-) -> VerifyResult:
+def rejection_sample_triton(verify: VerifyBatch, draft_probs: CompressedProbs, is_greedy: torch.Tensor
+                            ) -> VerifyResult:
     """Launch `_rejection_kernel`, one program per request."""
     require_triton()
-    batch, vocab = cu_num_draft_tokens.shape[0], target_probs.shape[1]
-    result = empty_verify_result(cu_num_draft_tokens)
-    if batch:
-        _rejection_kernel[(batch,)](
-            result.tokens, result.num_accepted, target_probs, draft_tokens, cu_num_draft_tokens,
-            draft_probs.ids, draft_probs.fixed, is_greedy, seeds, positions,
-            vocab, result.tokens.shape[1], draft_probs.k,
-            BLOCK=min(BLOCK_V, next_power_of_2(vocab)), BLOCK_K=BLOCK_K,
-        )  # fmt: skip
-    return result
+    return launch_per_request(_rejection_kernel, verify, (draft_probs.ids, draft_probs.fixed, is_greedy),
+                              (draft_probs.k,), BLOCK=min(BLOCK_V, next_power_of_2(verify.vocab)), BLOCK_K=BLOCK_K)
 
 
 @jit(do_not_specialize=["vocab", "out_stride", "num_entries"])

@@ -30,6 +30,7 @@ from kernels.compression import CompressedProbs, concat, no_probs
 from kernels.gumbel import verify_invariant
 from kernels.logits_processors import LogitsContext, process_logits
 from kernels.logprobs import TokenLogprob, row_logprobs, sequence_logprobs, token_logprobs
+from kernels.ragged import VerifyBatch
 from kernels.rejection import rejection_sample
 from kernels.sampling import Sampling, probs_of, sample
 from target_service.drafts import UsableDrafts
@@ -226,32 +227,23 @@ class ModelRunner:
         return self.model.greedy_tokens(logits if len(rows) == total else logits[self._long(rows)])
 
     def _rejection(self, items: list[VerifyItem], probs: torch.Tensor) -> list[Verified]:
-        result = rejection_sample(
-            probs,
-            self._draft_tokens(items),
-            self._cu_num_drafts(items),
-            self._draft_probs(items),
-            torch.tensor([i.sampling.greedy for i in items], dtype=torch.bool, device=self.device),
-            self._seeds([i.sampling for i in items]),
-            self._long([i.length for i in items]),
-        )
+        greedy = torch.tensor([i.sampling.greedy for i in items], dtype=torch.bool, device=self.device)
+        result = rejection_sample(self._verify_batch(items, probs), self._draft_probs(items), greedy)
         return _unpack(result.tokens, result.num_accepted)
 
     def _invariant(self, items: list[VerifyItem], probs: torch.Tensor) -> list[Verified]:
-        result = verify_invariant(
+        result = verify_invariant(self._verify_batch(items, probs))
+        return _unpack(result.tokens, result.num_accepted)
+
+    def _verify_batch(self, items: list[VerifyItem], probs: torch.Tensor) -> VerifyBatch:
+        """The kernels' view of the items: p [rows, V], the drafts, and where each item's rows are keyed."""
+        return VerifyBatch(
             probs,
-            self._draft_tokens(items),
-            self._cu_num_drafts(items),
+            self._long([t for i in items if i.drafts for t in i.drafts.tokens]),
+            torch.cumsum(self._long([i.num_drafts for i in items]), dim=0),
             self._seeds([i.sampling for i in items]),
             self._long([i.length for i in items]),
         )
-        return _unpack(result.tokens, result.num_accepted)
-
-    def _draft_tokens(self, items: list[VerifyItem]) -> torch.Tensor:
-        return self._long([t for i in items if i.drafts for t in i.drafts.tokens])
-
-    def _cu_num_drafts(self, items: list[VerifyItem]) -> torch.Tensor:
-        return torch.cumsum(self._long([i.num_drafts for i in items]), dim=0)
 
     def _draft_probs(self, items: list[VerifyItem]) -> CompressedProbs:
         """q' rows for every draft, [D, K]; drafts verified by ids alone get empty rows."""

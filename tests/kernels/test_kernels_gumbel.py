@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from kernels import processed_probs, sample, verify_invariant
+from kernels import VerifyBatch, processed_probs, sample, verify_invariant
 
 VOCAB = 30
 PROMPT_LEN = 7
@@ -55,7 +55,7 @@ def _generate_speculative(
             positions.append(position)
         cu = torch.tensor(counts).cumsum(0)
         result = verify_invariant(
-            torch.cat(rows), torch.tensor(drafts), cu, torch.tensor(seeds), torch.tensor(positions)
+            VerifyBatch(torch.cat(rows), torch.tensor(drafts), cu, torch.tensor(seeds), torch.tensor(positions))
         )
         for sequence, tokens, n in zip(sequences, result.tokens.tolist(), result.num_accepted.tolist()):
             sequence += tokens[: n + 1]
@@ -81,7 +81,7 @@ def test_greedy_rows_follow_the_argmax():
     p = _probs(logits, 0.0, 1.0)
     argmax = p.argmax(dim=1)
     drafts = torch.tensor([int(argmax[0]), int(argmax[1]), (int(argmax[2]) + 1) % 12])
-    result = verify_invariant(p, drafts, torch.tensor([3]), torch.tensor([5]), torch.tensor([0]))
+    result = verify_invariant(VerifyBatch(p, drafts, torch.tensor([3]), torch.tensor([5]), torch.tensor([0])))
     assert result.tokens.tolist() == [argmax[:3].tolist() + [-1]]
     assert result.num_accepted.tolist() == [2]
 
@@ -91,7 +91,7 @@ def test_emitted_tokens_are_distributed_as_p():
     p = _probs(torch.randn(2, 25, generator=torch.Generator().manual_seed(4)), 1.0, 1.0)
     drafts = torch.randint(0, 25, (trials,), generator=torch.Generator().manual_seed(5))
     result = verify_invariant(
-        p.repeat(trials, 1), drafts, torch.arange(1, trials + 1), torch.arange(trials), torch.full((trials,), 9)
+        VerifyBatch(p.repeat(trials, 1), drafts, torch.arange(1, trials + 1), torch.arange(trials), torch.full((trials,), 9))
     )
     counts = np.bincount(result.tokens[:, 0].numpy(), minlength=25)
     expected = p[0].double().numpy()

@@ -11,6 +11,7 @@ from scipy import stats
 from kernels import (
     CompressedProbs,
     KernelInputError,
+    VerifyBatch,
     concat,
     encode,
     no_probs,
@@ -40,15 +41,14 @@ class Request:
 
 def _verify(requests: list[Request]):
     """Flatten requests into one ragged batch and run rejection_sample."""
-    return rejection_sample(
+    batch = VerifyBatch(
         torch.cat([r.p for r in requests]),
         torch.tensor([d for r in requests for d in r.drafts], dtype=torch.int64),
         torch.tensor([len(r.drafts) for r in requests]).cumsum(0),
-        concat([r.q for r in requests]),
-        torch.tensor([r.greedy for r in requests]),
         torch.tensor([r.seed for r in requests]),
         torch.tensor([r.position for r in requests]),
     )
+    return rejection_sample(batch, concat([r.q for r in requests]), torch.tensor([r.greedy for r in requests]))
 
 
 # Greedy targets: the argmax of rows 0..3 is 3, 5, 1, 7.
@@ -124,10 +124,8 @@ def _speculate(p: torch.Tensor, q: torch.Tensor, k_top: int, seed: int):
     draft_positions = torch.arange(k).repeat(TRIALS) + 100
     q_rows = CompressedProbs(compressed.ids.repeat(TRIALS, 1), compressed.fixed.repeat(TRIALS, 1))
     drafts = sample_compressed(q_rows, draft_seeds, draft_positions)
-    result = rejection_sample(
-        p.repeat(TRIALS, 1), drafts, torch.arange(1, TRIALS + 1) * k, q_rows,
-        torch.zeros(TRIALS, dtype=torch.bool), seeds, torch.full((TRIALS,), 100),
-    )  # fmt: skip
+    batch = VerifyBatch(p.repeat(TRIALS, 1), drafts, torch.arange(1, TRIALS + 1) * k, seeds, torch.full((TRIALS,), 100))
+    result = rejection_sample(batch, q_rows, torch.zeros(TRIALS, dtype=torch.bool))
     return result, to_dense(compressed, p.shape[1])
 
 
@@ -248,19 +246,14 @@ def test_batch_checks_are_clear_errors():
         _verify([Request(p, [10], compressed)])
     with pytest.raises(KernelInputError, match="target_probs: expected 2 rows"):
         _verify([Request(p[:1], [3], compressed)])
-    args = {
-        "target_probs": p,
-        "draft_tokens": torch.tensor([3]),
-        "cu_num_draft_tokens": torch.tensor([1]),
-        "draft_probs": compressed,
-        "is_greedy": torch.tensor([False]),
-        "seeds": torch.tensor([0]),
-        "positions": torch.tensor([0]),
-    }
+    batch = {"target_probs": p, "draft_tokens": torch.tensor([3]), "cu_num_draft_tokens": torch.tensor([1]),
+             "seeds": torch.tensor([0]), "positions": torch.tensor([0])}
+    rest = {"draft_probs": compressed, "is_greedy": torch.tensor([False])}
     wrong = {"draft_probs": NO_PROBS, "is_greedy": torch.tensor([0]), "cu_num_draft_tokens": torch.tensor([1]).int()}
     for name, bad in wrong.items():
         with pytest.raises(KernelInputError, match=name):
-            rejection_sample(**{**args, name: bad})
+            args = {**batch, **rest, name: bad}
+            rejection_sample(VerifyBatch(**{key: args[key] for key in batch}), args["draft_probs"], args["is_greedy"])
     assert _verify([good]).tokens.shape == (1, 2)
 
 

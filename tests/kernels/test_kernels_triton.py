@@ -5,6 +5,7 @@ with CUDA the `gpu` variants run the compiled kernels through the public wrapper
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels import (
+    VerifyBatch,
     CompressedProbs,
     encode,
     processed_probs,
@@ -61,7 +63,9 @@ def _launch(device: str, launcher, public, *args):
     if device == "cpu":
         return launcher(*args)
     def to_cuda(arg):
-        return CompressedProbs(arg.ids.cuda(), arg.fixed.cuda()) if isinstance(arg, CompressedProbs) else arg.cuda()
+        if isinstance(arg, (CompressedProbs, VerifyBatch)):
+            return type(arg)(*(field.cuda() for field in dataclasses.astuple(arg)))
+        return arg.cuda()
 
     return public(*map(to_cuda, args))
 
@@ -134,7 +138,7 @@ def _batch(vocab: int, num_drafts: list[int], greedy: list[bool], k_top: int, se
     positions = torch.arange(len(num_drafts)) * 3 + 11
     local = torch.arange(total) - (cu - torch.tensor(num_drafts))[request]
     drafts = sample_compressed(q, seeds[request], positions[request] + local)
-    return p, drafts, cu, q, torch.tensor(greedy), seeds, positions
+    return VerifyBatch(p, drafts, cu, seeds, positions), q, torch.tensor(greedy)
 
 
 def _mixed(vocab: int) -> tuple[list[int], list[bool]]:
@@ -193,7 +197,7 @@ def test_rejection_kernel_edge_cases(device):
     drafts = torch.tensor([d for r in requests for d in r[0]])
     q = _one_hot_q([t for r in requests for t in r[2]], k_top)
     greedy = torch.tensor([r[1] for r in requests])
-    args = (p, drafts, torch.arange(1, 7), q, greedy, torch.arange(6) * 5 + 1, torch.arange(6))
+    args = (VerifyBatch(p, drafts, torch.arange(1, 7), torch.arange(6) * 5 + 1, torch.arange(6)), q, greedy)
     expected = rejection_sample_reference(*args)
     assert expected.tokens[:2].tolist() == [[7, 100], [7, -1]]
     assert expected.tokens[2, 0] == 20 and expected.num_accepted[2] == 0
@@ -206,14 +210,15 @@ def test_rejection_kernel_edge_cases(device):
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_verify_invariant_kernel(device, vocab):
     num_drafts, _ = _mixed(vocab)
-    p, drafts, cu, _, _, seeds, positions = _batch(vocab, num_drafts, [False] * len(num_drafts), 4, seed=vocab)
+    batch, _, _ = _batch(vocab, num_drafts, [False] * len(num_drafts), 4, seed=vocab)
+    p, drafts, cu, seeds, positions = batch.target_probs, batch.draft_tokens, batch.cu_num_draft_tokens, batch.seeds, batch.positions
     # Make the first drafts of the 8-draft requests the target's own draws, so they are accepted.
     first = int(cu[1]) if len(num_drafts) > 2 else 0
     own = sample_reference(p[first + 2 : first + 6].contiguous(), seeds[2].repeat(4), positions[2] + torch.arange(4))
     drafts[first : first + 4] = own
-    expected = verify_invariant_reference(p, drafts, cu, seeds, positions)
+    expected = verify_invariant_reference(batch)
     assert int(expected.num_accepted[2]) >= 4
-    result = _launch(device, verify_invariant_triton, verify_invariant, p, drafts, cu, seeds, positions)
+    result = _launch(device, verify_invariant_triton, verify_invariant, batch)
     assert torch.equal(result.tokens.cpu(), expected.tokens)
     assert torch.equal(result.num_accepted.cpu(), expected.num_accepted)
 

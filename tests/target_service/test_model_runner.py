@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kernels.compression import encode, no_probs
+from kernels.ragged import VerifyBatch
 from kernels.rejection import rejection_sample_reference
 from kernels.sampling import Sampling
 from target_service.drafts import UsableDrafts
@@ -39,9 +40,9 @@ def test_verify_greedy_is_the_rejection_kernels_greedy_rule():
     one_hot = torch.zeros_like(probs).scatter_(1, probs.argmax(dim=1, keepdim=True), 1.0)
     flat = [t for drafts in draft_lists for t in drafts]
     cu = torch.cumsum(torch.tensor([len(d) for d in draft_lists]), 0)
-    kernel = rejection_sample_reference(one_hot, torch.tensor(flat), cu, no_probs(len(flat)),
-                                        torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.int64),
-                                        torch.zeros(3, dtype=torch.int64))
+    batch = VerifyBatch(one_hot, torch.tensor(flat), cu, torch.zeros(3, dtype=torch.int64),
+                        torch.zeros(3, dtype=torch.int64))
+    kernel = rejection_sample_reference(batch, no_probs(len(flat)), torch.ones(3, dtype=torch.bool))
     start = 0
     for b, drafts in enumerate(draft_lists):
         ours = verify_greedy(tuple(drafts), argmax[start:start + len(drafts) + 1])
