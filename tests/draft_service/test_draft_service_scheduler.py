@@ -7,8 +7,9 @@ import pytest
 
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.ngram import NgramDrafter
-from draft_service.scheduler import DraftScheduler, Limits
+from draft_service.scheduler import Limits
 from tandem.v1 import drafter_pb2 as pb
+from tests.support.draft_schedulers import running_scheduler
 
 LIMITS = Limits(vocab_size=100, max_model_len=64, max_k=4, num_slots=2)
 PROMPT = [1, 2, 3, 4, 1, 2]
@@ -16,10 +17,8 @@ PROMPT = [1, 2, 3, 4, 1, 2]
 
 @pytest.fixture
 async def scheduler():
-    scheduler = DraftScheduler(NgramDrafter(1, 4), DraftMetrics("test"), LIMITS)
-    scheduler.start()
-    yield scheduler
-    await scheduler.stop()
+    async with running_scheduler(NgramDrafter(1, 4), DraftMetrics("test"), LIMITS) as running:
+        yield running
 
 
 def _update(opens=(), extends=(), closes=()) -> pb.TargetUpdate:
@@ -66,9 +65,7 @@ class FailingDrafter(NgramDrafter):
 
 async def test_a_failed_round_answers_each_of_its_sequences_with_nothing():
     metrics = DraftMetrics("test")
-    scheduler = DraftScheduler(FailingDrafter(1, 4), metrics, LIMITS)
-    scheduler.start()
-    try:
+    async with running_scheduler(FailingDrafter(1, 4), metrics, LIMITS) as scheduler:
         stream = scheduler.open_stream()
         scheduler.apply(stream, _update(opens=[(1, PROMPT), (2, PROMPT + [3])]))
         message = await asyncio.wait_for(stream.outbox.get(), 10)
@@ -76,16 +73,12 @@ async def test_a_failed_round_answers_each_of_its_sequences_with_nothing():
             (1, 6, []), (2, 7, [])]
         labels = {"model": "test", "service": "draft"}
         assert metrics.registry.get_sample_value("tandem_draft_errors_total", labels) == 1
-    finally:
-        await scheduler.stop()
 
 
 async def test_one_target_may_hold_no_more_than_its_quota():
     limits = Limits(vocab_size=100, max_model_len=64, max_k=4, num_slots=3, max_seqs_per_target=2)
     metrics = DraftMetrics("test")
-    scheduler = DraftScheduler(NgramDrafter(1, 4), metrics, limits)
-    scheduler.start()
-    try:
+    async with running_scheduler(NgramDrafter(1, 4), metrics, limits) as scheduler:
         greedy, other = scheduler.open_stream(), scheduler.open_stream()
         scheduler.apply(greedy, _update(opens=[(1, PROMPT), (2, PROMPT), (3, PROMPT)]))
         scheduler.apply(other, _update(opens=[(1, PROMPT)]))  # the slot the quota kept free
@@ -95,8 +88,6 @@ async def test_one_target_may_hold_no_more_than_its_quota():
         scheduler.apply(greedy, _update(closes=[1]))
         scheduler.apply(greedy, _update(opens=[(4, PROMPT)]))  # room again under its quota
         assert sorted(greedy.sequences) == [2, 4]
-    finally:
-        await scheduler.stop()
 
 
 async def test_a_refused_open_and_its_extends_are_answered_at_once(scheduler):

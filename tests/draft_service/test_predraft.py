@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -18,11 +17,12 @@ from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter, lookup
 from draft_service.predraft import Fanout, Predrafter
-from draft_service.scheduler import DraftScheduler, Limits
+from draft_service.scheduler import Limits
 from kernels.compression import sample_compressed, unpack
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk
 from tandem.v1 import drafter_pb2 as pb
+from tests.support.draft_schedulers import running_scheduler
 from tests.support.tiny_drafter import MAX_LEN, VOCAB, tiny_draft_model
 
 TOP_K = 8
@@ -330,14 +330,8 @@ class GatedDrafter(ModelDrafter):
 LIMITS = Limits(vocab_size=VOCAB, max_model_len=MAX_LEN, max_k=4, num_slots=12)
 
 
-@asynccontextmanager
-async def _running(drafter: ModelDrafter, max_fanout: int = -1):
-    scheduler = DraftScheduler(drafter, drafter.metrics, LIMITS, max_fanout=max_fanout)
-    scheduler.start()
-    try:
-        yield scheduler
-    finally:
-        await scheduler.stop()
+def _running(drafter: ModelDrafter, max_fanout: int = -1):
+    return running_scheduler(drafter, drafter.metrics, LIMITS, max_fanout=max_fanout)
 
 
 @pytest.fixture

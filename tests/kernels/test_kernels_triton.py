@@ -48,13 +48,9 @@ from kernels.penalties import (
 )
 from kernels.rejection import rejection_sample_reference, rejection_sample_triton
 from kernels.sampling import sample_reference, sample_triton
+from tests.support.devices import triton_devices
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="kernels are compiled for CUDA here")),
-    pytest.param(
-        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-    ),
-]
+DEVICES = triton_devices(INTERPRETED)
 VOCABS = [1, 2, 999, 1024, 4097, 49152]
 
 

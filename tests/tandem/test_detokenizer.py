@@ -8,6 +8,7 @@ import pytest
 
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.tokenizer import Tokenizer
+from tests.support.tiny_gguf import write_tokenizer_gguf
 
 STREAMS = [
     "Hello, world! How are you today?",
@@ -116,16 +117,4 @@ def _write_sentencepiece_gguf(path: Path) -> Path:
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL,
              *[gguf.TokenType.BYTE] * 256, *[gguf.TokenType.NORMAL] * len(pieces)]
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tokenizer_gguf(path, "llama", tokens, scores, types)

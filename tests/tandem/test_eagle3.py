@@ -163,7 +163,8 @@ def test_loading_no_rows_forgets_the_features_past_that_position(head):
 from draft_service.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from draft_service.metrics import DraftMetrics  # noqa: E402
 from draft_service.drafters.ngram import NgramDrafter  # noqa: E402
-from draft_service.scheduler import DraftScheduler, Limits  # noqa: E402
+from draft_service.scheduler import Limits  # noqa: E402
+from tests.support.draft_schedulers import running_scheduler  # noqa: E402
 from tandem.hidden_states import FeatureLayout  # noqa: E402
 from tandem.v1 import drafter_pb2 as pb  # noqa: E402
 
@@ -197,9 +198,7 @@ async def _next(stream) -> pb.DraftProposal:
 
 async def test_the_head_drafts_once_the_features_come_and_refuses_bad_ones(head):
     metrics = DraftMetrics("test")
-    scheduler = DraftScheduler(Eagle3Drafter(_model(head), 8, metrics), metrics, LIMITS)
-    scheduler.start()
-    try:
+    async with running_scheduler(Eagle3Drafter(_model(head), 8, metrics), metrics, LIMITS) as scheduler:
         stream = scheduler.open_stream()
         scheduler.apply(stream, pb.TargetUpdate(opens=[pb.SequenceOpen(seq_id=1, prompt_ids=PROMPT, k=3)]))
         opened = await _next(stream)
@@ -221,23 +220,17 @@ async def test_the_head_drafts_once_the_features_come_and_refuses_bad_ones(head)
         scheduler.apply(stream, _extend(10, [2], 9, _features(1)))  # positions 6..8 never came: zeros
         healed = await _next(stream)
         assert healed.base_len == 11 and len(healed.token_ids) == 3
-    finally:
-        await scheduler.stop()
 
 
 async def test_a_drafter_that_reads_no_features_refuses_them_but_keeps_the_tokens():
     metrics = DraftMetrics("test")
-    scheduler = DraftScheduler(NgramDrafter(1, 4), metrics, LIMITS)
-    scheduler.start()
-    try:
+    async with running_scheduler(NgramDrafter(1, 4), metrics, LIMITS) as scheduler:
         stream = scheduler.open_stream()
         scheduler.apply(stream, pb.TargetUpdate(opens=[pb.SequenceOpen(seq_id=1, prompt_ids=PROMPT, k=3)]))
         await _next(stream)
         scheduler.apply(stream, _extend(6, [5], 0, _features(6)))
         assert _invalid(metrics, "bad_hidden_states") == 1
         assert (await _next(stream)).base_len == 7
-    finally:
-        await scheduler.stop()
 
 
 @pytest.mark.parametrize("change, message", [

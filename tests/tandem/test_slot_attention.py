@@ -23,13 +23,9 @@ from tandem.model.slot_attention import (
     slot_attention_reference,
     slot_attention_triton,
 )
+from tests.support.devices import triton_devices
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="the kernel is compiled for CUDA here")),
-    pytest.param(
-        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-    ),
-]
+DEVICES = triton_devices(INTERPRETED)
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
 

@@ -9,6 +9,7 @@ import gguf
 import pytest
 
 from tandem.tokenizer import ChatTemplateError, SpecialTokenIds, Tokenizer, TokenizerError
+from tests.support.tiny_gguf import write_tokenizer_gguf
 
 # No whitespace run right before a digit here: see test_smollm_splits_digits_like_llama_cpp.
 TEXTS = [
@@ -172,11 +173,11 @@ def test_errors(tmp_path: Path) -> None:
     with pytest.raises(TokenizerError, match="not a GGUF"):
         Tokenizer.from_gguf(tmp_path / "bad.gguf")
     with pytest.raises(TokenizerError, match="tokenizer.ggml.model='bert'"):
-        Tokenizer.from_gguf(_write_gguf(tmp_path / "bert.gguf", model="bert", tokens=["a"]))
+        Tokenizer.from_gguf(write_tokenizer_gguf(tmp_path / "bert.gguf", model="bert", tokens=["a"]))
     with pytest.raises(TokenizerError, match="tokenizer.ggml.pre='mystery'"):
-        Tokenizer.from_gguf(_write_gguf(tmp_path / "pre.gguf", model="gpt2", tokens=["a"], pre="mystery"))
+        Tokenizer.from_gguf(write_tokenizer_gguf(tmp_path / "pre.gguf", model="gpt2", tokens=["a"], pre="mystery"))
     with pytest.raises(TokenizerError, match="no chat template"):
-        plain = _write_gguf(tmp_path / "plain.gguf", model="gpt2", tokens=["a"])
+        plain = write_tokenizer_gguf(tmp_path / "plain.gguf", model="gpt2", tokens=["a"])
         Tokenizer.from_gguf(plain).apply_chat_template([])
 
 
@@ -218,7 +219,7 @@ def spm_gguf(spm_processor, tmp_path_factory) -> Path:
     """The trained vocabulary written the way llama.cpp's converter writes a sentencepiece model."""
     sp = spm_processor
     size = sp.get_piece_size()
-    return _write_gguf(
+    return write_tokenizer_gguf(
         tmp_path_factory.mktemp("spm") / "spm.gguf",
         model="llama",
         tokens=[sp.id_to_piece(i) for i in range(size)],
@@ -251,34 +252,6 @@ def _sentencepiece_type(sp, i: int) -> int:
     return next((kind for check, kind in kinds if check(i)), gguf.TokenType.NORMAL)
 
 
-def _write_gguf(path: Path, model: str, tokens: list[str], scores: list[float] | None = None,
-                types: list[int] | None = None, pre: str | None = None, merges: list[str] | None = None) -> Path:
-    """A GGUF with tokenizer metadata, and just enough llama hyperparameters for transformers to open it."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model(model)
-    if pre is not None:
-        writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    if scores is not None:
-        writer.add_token_scores(scores)
-    if types is not None:
-        writer.add_token_types(types)
-    if merges is not None:
-        writer.add_token_merges(merges)
-    for add in (writer.add_context_length, writer.add_embedding_length, writer.add_block_count,
-                writer.add_feed_forward_length, writer.add_head_count, writer.add_head_count_kv):
-        add(8)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_bos_token_id(1 if len(tokens) > 1 else 0)
-    writer.add_eos_token_id(2 if len(tokens) > 2 else 0)
-    writer.add_unk_token_id(0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def _write_small_byte_level_gguf(source: Tokenizer, path: Path, pre: str, size: int = 3000) -> Path:
     """SmolLM2 has no multi-digit tokens; three are added so that each regex groups "1234" its own way."""
     spec = json.loads(source.backend.to_str())["model"]
@@ -287,7 +260,7 @@ def _write_small_byte_level_gguf(source: Tokenizer, path: Path, pre: str, size: 
     merges = [f"{a} {b}" for a, b in spec["merges"] if {a, b, a + b} <= kept]
     types = [gguf.TokenType.CONTROL if i in source.special_token_ids else gguf.TokenType.NORMAL for i in range(size)]
     digits = ["34", "12", "123"]
-    return _write_gguf(path, model="gpt2", tokens=tokens + digits, types=types + [gguf.TokenType.NORMAL] * 3,
+    return write_tokenizer_gguf(path, model="gpt2", tokens=tokens + digits, types=types + [gguf.TokenType.NORMAL] * 3,
                        pre=pre, merges=merges + ["3 4", "1 2", "12 3"])
 
 
