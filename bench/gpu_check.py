@@ -147,10 +147,14 @@ def _measure_bandwidth(report: Report, device: torch.device) -> None:
     print(f"copy bandwidth: {report.bandwidth_gb_s:.0f} GB/s", flush=True)
 
 
+GPU_MARKS = ("mark.gpu", "triton_devices(")  # a gpu mark, or the Triton device params (tests/support/devices.py)
+
+
 def gpu_test_files() -> list[str]:
     """The test files that hold `gpu` tests: naming them keeps pytest from importing the rest
     (grpc, tokenizers), which the GPU machine may lack."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                  if any(mark in p.read_text() for mark in GPU_MARKS))
 
 
 def run_gpu_tests(timeout_s: int) -> dict[str, Any]:
