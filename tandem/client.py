@@ -27,6 +27,7 @@ class GenerationResult:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     draft_steps: int = 0
+    cached_tokens: int = 0  # prompt tokens the target's prefix cache held
     ttft: float = 0.0  # seconds from sending to the first token
     token_times: list[float] = field(default_factory=list)  # arrival of each token, from sending
     elapsed: float = 0.0
@@ -92,6 +93,7 @@ async def generate_samples(
             result.draft_tokens = usage.draft_tokens
             result.accepted_tokens = usage.accepted_tokens
             result.draft_steps = usage.draft_steps
+            result.cached_tokens = usage.cached_tokens
             result.elapsed = now
     return [results[index] for index in sorted(results)]
 

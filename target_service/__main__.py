@@ -23,6 +23,8 @@ HELP = {
     "threads": "torch CPU threads; give each service its own cores",
     "max_num_seqs": "running sequences, each holding one KV-cache slot",
     "max_queue": "waiting requests beyond which new ones get RESOURCE_EXHAUSTED",
+    "prefix_caching": "reuse the KV a finished sequence left in its slot for a new prompt that starts with the "
+                      "same tokens (--no-prefix-caching: prefill every prompt whole)",
     "drafter": "host:port of a draft service; several, comma-separated, or dns:///host:port (every address the "
                "name resolves to): the target streams to one and fails over to the next; empty serves without "
                "speculation",

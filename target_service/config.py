@@ -21,6 +21,7 @@ class TargetConfig:
     max_num_seqs: int = 8  # running sequences, one KV slot each
     max_model_len: int = 2048
     max_queue: int = 64  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
+    prefix_caching: bool = True  # a freed slot keeps its KV for a prompt with the same first tokens
     # host:port of a draft service, several comma-separated, or dns:///host:port; empty: no speculation
     drafter: str = ""
     num_speculative_tokens: int = 4

@@ -47,6 +47,9 @@ class TargetMetrics:
             "tandem_acceptance_length", "Tokens emitted per verify step (accepted + 1).", buckets=ACCEPTANCE_BUCKETS
         )
         self.prompt_tokens = counter("tandem_prompt_tokens", "Prompt tokens prefilled.")
+        self.prefix_cache_queries = counter("tandem_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter(
+            "tandem_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held: not prefilled again.")
         self.generation_tokens = counter("tandem_generation_tokens", "Tokens generated.")
         self.request_success = counter("tandem_request_success", "Finished requests.", extra=("finish_reason",))
         self.num_drafts = counter("tandem_spec_decode_num_drafts", "Verify steps run with at least one draft.")

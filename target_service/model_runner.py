@@ -51,10 +51,12 @@ class PrefillItem:
     logprobs: int | None = None  # top log-probabilities to return with the token; None: none
     prompt_logprobs: int | None = None  # the same for each prompt token from the second on; None: none
     copy_of: int | None = None  # the batch index of an item with the same prompt: copy its KV, sample its row
+    cached: int = 0  # the prompt's first tokens whose KV the slot holds already: they do not run
 
     @property
     def num_logits(self) -> int:
-        """Every prompt position's logits when its prompt's logprobs are asked; else the last one's."""
+        """Every prompt position's logits when its prompt's logprobs are asked (then nothing is cached);
+        else the last one's."""
         return 1 if self.prompt_logprobs is None else len(self.prompt_ids)
 
 
@@ -109,7 +111,7 @@ class ModelRunner:
     def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = ()) -> list[Verified]:
         """Each item's first token; capture: also the features of these target layers (Verified.features)."""
         runs = [b for b, i in enumerate(items) if i.copy_of is None]  # the items whose prompts run
-        chunks = [SequenceChunk(slot=items[b].slot, start=0, token_ids=items[b].prompt_ids,
+        chunks = [SequenceChunk(slot=items[b].slot, start=items[b].cached, token_ids=items[b].prompt_ids[items[b].cached:],
                                 num_logits=items[b].num_logits) for b in runs]
         masks = self._start_masks([(i.grammar, ()) for i in items])
         logits, features = self._forward(chunks, capture)  # [sum(num_logits), vocab]

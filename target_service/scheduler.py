@@ -1,7 +1,8 @@
 """The target's scheduler: the waiting queue, the running batch, admission and the KV slots.
 
 A request's n samples wait, and are admitted, together: their prefill is shared (one forward, the
-prompt's KV copied to the other samples' slots). A sequence is WAITING from submit to admission, RUNNING while it holds a KV slot, and FINISHED
+prompt's KV copied to the other samples' slots). A new sequence's slot may already hold the KV of its prompt's first tokens (prefix_cache.py). A
+sequence is WAITING from submit to admission, RUNNING while it holds a KV slot, and FINISHED
 once its slot is freed. A running sequence whose finish reason is set keeps its slot until the
 step that used it has published its tokens: `release_finished` then frees it.
 """
@@ -16,7 +17,8 @@ import grpc
 
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
-from target_service.sequence import Sequence, SequenceStatus
+from target_service.prefix_cache import PrefixCache
+from target_service.sequence import FinishReason, Sequence, SequenceStatus
 from tandem.model.kv_cache import KVCache
 
 
@@ -29,8 +31,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_queue: int, metrics: TargetMetrics):
+    def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_queue: int, metrics: TargetMetrics,
+                 prefix_caching: bool = True):
         self.kv_cache = kv_cache
+        self.prefix_cache = PrefixCache(kv_cache, prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_queue = max_queue
         self.metrics = metrics
@@ -84,7 +88,9 @@ class Scheduler:
         finished = [s for s in self.running if s.finish is not None]
         for seq in finished:
             self.running.remove(seq)
-            self.kv_cache.free(seq.slot)
+            # Its KV holds every committed token but the last; an aborted one may have lost a step.
+            kept = seq.token_ids[:-1] if seq.finish in (FinishReason.STOP, FinishReason.LENGTH) else []
+            self.prefix_cache.release(seq.slot, kept)
             seq.slot = None
             self._forget(seq)
         self.metrics.running.set(len(self.running))
@@ -94,8 +100,8 @@ class Scheduler:
         admitted = []
         while self.can_admit():
             for seq in self._next_group():
+                seq.slot, seq.cached_tokens = self.prefix_cache.allocate(seq.prompt_ids)
                 self.waiting.popleft()
-                seq.slot = self.kv_cache.allocate()
                 seq.status = SequenceStatus.RUNNING
                 seq.admitted_at = time.perf_counter()
                 self.metrics.queue_time.observe(seq.admitted_at - seq.arrival)

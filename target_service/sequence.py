@@ -80,6 +80,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + committed
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV its slot already held (prefix caching): not prefilled
     draft_tokens: int = 0  # usage: drafts verified
     # usage: [a] counts the steps that verified drafts and committed a of them (draft_steps, accepted_tokens)
     acceptance_histogram: list[int] = field(default_factory=list)

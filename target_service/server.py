@@ -72,6 +72,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 draft_tokens=seq.draft_tokens,
                 accepted_tokens=seq.accepted_tokens,
                 draft_steps=seq.draft_steps,
+                cached_tokens=seq.cached_tokens,
             ))
         return response
 
@@ -124,7 +125,7 @@ async def serve(config: TargetConfig) -> None:
     kv_cache = loaded.model.kv_cache
     speculator = Speculator(speculation_policy(config), metrics, vocab_size=loaded.config.vocab_size,
                             max_len=kv_cache.max_len, connect=connect)
-    scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_queue, metrics)
+    scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_queue, metrics, config.prefix_caching)
     engine = Engine(ModelRunner(loaded.model, metrics), scheduler, speculator, loaded.tokenizer, config, metrics)
     compiler = await asyncio.to_thread(
         GrammarCompiler, loaded.tokenizer, loaded.config.vocab_size,

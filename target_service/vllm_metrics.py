@@ -26,6 +26,8 @@ MIRRORED = {
     "tandem_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
     "tandem_spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
     "tandem_prompt_tokens": ("vllm:prompt_tokens",),
+    "tandem_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "tandem_prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "tandem_generation_tokens": ("vllm:generation_tokens",),
     "tandem_request_success": ("vllm:request_success",),
     "tandem_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),

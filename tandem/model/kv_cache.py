@@ -54,10 +54,22 @@ class KVCache:
     def num_free_slots(self) -> int:
         return len(self._free)
 
+    @property
+    def free_slots(self) -> list[int]:
+        """The free slots, the one allocate() hands out next last."""
+        return list(self._free)
+
     def allocate(self) -> int:
         if not self._free:
             raise CacheFullError(f"all {self.num_slots} KV slots are in use")
         return self._free.pop()
+
+    def take(self, slot: int) -> int:
+        """Allocate this free slot (one whose KV its next owner wants to keep)."""
+        if slot not in self._free:
+            raise ValueError(f"slot {slot} is not free")
+        self._free.remove(slot)
+        return slot
 
     def free(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots or slot in self._free:

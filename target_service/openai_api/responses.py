@@ -26,9 +26,10 @@ class Completion:
 
 
 def usage(samples: list[Sequence]) -> dict[str, Any]:
-    """The prompt once, and every sample's tokens."""
+    """The prompt once (and how much of it the prefix cache held), and every sample's tokens."""
     prompt, completion = len(samples[0].prompt_ids), sum(seq.num_generated for seq in samples)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": samples[0].cached_tokens}}
 
 
 def speculation_metrics(samples: list[Sequence]) -> dict[str, Any] | None:

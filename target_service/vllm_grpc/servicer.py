@@ -13,6 +13,7 @@ import importlib.metadata
 import io
 import json
 import time
+import uuid
 import zipfile
 from dataclasses import dataclass, field
 
@@ -46,58 +47,41 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Per sample (`index`), delta chunks of new token ids when streaming, then one complete
         message. A request the server aborts ends with UNAVAILABLE, which the gateway retries
         elsewhere when nothing was sent; one that an Abort call ended, with CANCELLED."""
-        request_id = request.request_id
-        if request_id in self._running:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is running "
+        if request.request_id in self._running:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request.request_id!r} is running "
                                                                  "already; give each request its own id")
         try:
             ours = engine_request(request)  # its refusals name their fields in this protocol's terms already
         except RequestError as err:
             await context.abort(err.code, err.message)
+        key = request.request_id or uuid.uuid4().hex  # held before any await: a second one is ALREADY_EXISTS
+        self._running[key] = []
         aborted = False
         try:
             async with self.serving.session(ours) as samples:
-                self._running[request_id] = samples
-                unsent = [_Unsent() for _ in samples]
-                try:
-                    async for output in self.serving.outputs(samples):
-                        seq, pending = samples[output.index], unsent[output.index]
-                        if output.finish is FinishReason.ABORT:
-                            aborted = True
-                            break
-                        if output.finish is not None:
-                            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(seq, request.stream, pending))
-                            continue
-                        pending.add(seq, output)
-                        if request.stream and output.token_ids:
-                            yield vllm_engine_pb2.GenerateResponse(chunk=pending.chunk(seq, output))
-                finally:
-                    del self._running[request_id]
+                self._running[key] = samples
+                unsent = _Unsent(samples)
+                async for output in self.serving.outputs(samples):
+                    if output.finish is FinishReason.ABORT:
+                        aborted = True
+                        break
+                    if output.finish is not None:
+                        yield vllm_engine_pb2.GenerateResponse(complete=unsent.complete(output.index, request.stream))
+                        continue
+                    unsent.add(output)
+                    if request.stream and output.token_ids:
+                        yield vllm_engine_pb2.GenerateResponse(chunk=unsent.chunk(output))
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             err = err.renamed(FIELD_NAMES, "sampling_params.")
             await context.abort(err.code, err.message)
+        finally:
+            del self._running[key]
         if not aborted:
             return
-        if request_id in self._cancelled:
-            self._cancelled.discard(request_id)
+        if key in self._cancelled:
+            self._cancelled.discard(key)
             await context.abort(grpc.StatusCode.CANCELLED, "aborted by an Abort call")
         await context.abort(grpc.StatusCode.UNAVAILABLE, SERVER_ABORTED)
-
-    @staticmethod
-    def _complete(seq: Sequence, streamed: bool, unsent: _Unsent) -> vllm_engine_pb2.GenerateComplete:
-        """output_ids, and their logprobs and the prompt's when asked, unless they were streamed already."""
-        generated = seq.token_ids[len(seq.prompt_ids):]
-        complete = vllm_engine_pb2.GenerateComplete(
-            output_ids=[] if streamed else generated, finish_reason=seq.finish.value,
-            prompt_tokens=len(seq.prompt_ids), completion_tokens=len(generated),
-            spec_accepted_tokens=seq.accepted_tokens, spec_draft_tokens=seq.draft_tokens,
-            output_logprobs=_logprobs(unsent.logprobs), input_logprobs=unsent.prompt, index=seq.index)
-        stop = seq.stop_reason
-        if isinstance(stop, str):
-            complete.matched_stop_str = stop
-        elif stop is not None:
-            complete.matched_token_id = stop
-        return complete
 
     async def Abort(self, request: vllm_engine_pb2.AbortRequest, context) -> vllm_engine_pb2.AbortResponse:
         """Unknown and finished ids are no error: the gateway aborts whatever stream it dropped."""
@@ -200,23 +184,45 @@ def _now() -> str:
 
 @dataclass(slots=True)
 class _Unsent:
-    """One sample's logprobs not sent yet: they go with its next chunk, or in its complete message."""
+    """What a request's samples have not sent yet. Each sample's logprobs go with its next chunk, or in
+    its complete message; the prompt's, as vLLM sends them, with each sample's first chunk and in
+    every complete message."""
 
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    samples: list[Sequence]
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # by index
     prompt: vllm_engine_pb2.InputLogProbs | None = None
+    streamed: set[int] = field(default_factory=set)  # the samples whose first chunk went out
 
-    def add(self, seq: Sequence, output: Output) -> None:
-        self.logprobs += output.logprobs or ()
+    def add(self, output: Output) -> None:
+        self.logprobs.setdefault(output.index, []).extend(output.logprobs or ())
         if output.prompt_logprobs is not None:
-            self.prompt = _input_logprobs(seq.prompt_ids, output.prompt_logprobs)
+            self.prompt = _input_logprobs(self.samples[0].prompt_ids, output.prompt_logprobs)
 
-    def chunk(self, seq: Sequence, output: Output) -> vllm_engine_pb2.GenerateStreamChunk:
+    def chunk(self, output: Output) -> vllm_engine_pb2.GenerateStreamChunk:
         """The output's tokens and what waited to be sent with them."""
-        chunk = vllm_engine_pb2.GenerateStreamChunk(
+        seq = self.samples[output.index]
+        first = seq.index not in self.streamed
+        self.streamed.add(seq.index)
+        return vllm_engine_pb2.GenerateStreamChunk(
             token_ids=output.token_ids, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(output.token_ids),
-            output_logprobs=_logprobs(self.logprobs), input_logprobs=self.prompt, index=seq.index)
-        self.logprobs, self.prompt = [], None
-        return chunk
+            cached_tokens=seq.cached_tokens, output_logprobs=_logprobs(self.logprobs.pop(seq.index, [])),
+            input_logprobs=self.prompt if first else None, index=seq.index)
+
+    def complete(self, index: int, streamed: bool) -> vllm_engine_pb2.GenerateComplete:
+        """output_ids and their logprobs, unless they were streamed already; the prompt's logprobs."""
+        seq = self.samples[index]
+        generated = seq.token_ids[len(seq.prompt_ids):]
+        complete = vllm_engine_pb2.GenerateComplete(
+            output_ids=[] if streamed else generated, finish_reason=seq.finish.value,
+            prompt_tokens=len(seq.prompt_ids), completion_tokens=len(generated), cached_tokens=seq.cached_tokens,
+            spec_accepted_tokens=seq.accepted_tokens, spec_draft_tokens=seq.draft_tokens,
+            output_logprobs=_logprobs(self.logprobs.pop(index, [])), input_logprobs=self.prompt, index=index)
+        stop = seq.stop_reason
+        if isinstance(stop, str):
+            complete.matched_stop_str = stop
+        elif stop is not None:
+            complete.matched_token_id = stop
+        return complete
 
 
 def _logprobs(logprobs: list[TokenLogprob]) -> vllm_engine_pb2.OutputLogProbs | None:

@@ -51,8 +51,16 @@ class FakeCache:
     def num_free_slots(self) -> int:
         return len(self._free)
 
+    @property
+    def free_slots(self) -> list[int]:
+        return list(reversed(self._free))  # the next allocated last, as KVCache lists them
+
     def allocate(self) -> int:
         return self._free.pop(0)
+
+    def take(self, slot: int) -> int:
+        self._free.remove(slot)
+        return slot
 
     def free(self, slot: int) -> None:
         self._free.append(slot)

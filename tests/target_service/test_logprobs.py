@@ -124,18 +124,25 @@ def test_prompt_logprobs_on_openai_chat_and_completions_not_streamed(client, pro
     assert info.value.body["param"] == "prompt_logprobs" and "stream" in info.value.body["message"]
 
 
-def test_vllm_engine_sends_input_logprobs_in_the_first_chunk_or_the_complete(front_doors, prompt_expected):
+def test_vllm_engine_sends_input_logprobs_with_each_samples_first_chunk_and_every_complete(front_doors,
+                                                                                          prompt_expected):
     ids, expected = prompt_expected
     with grpc.insecure_channel(front_doors.address) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         for stream in (False, True):
             request = vllm_engine_pb2.GenerateRequest(
                 request_id=f"plp-{stream}", stream=stream, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=ids),
-                sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2))
-            responses = list(stub.Generate(request, timeout=60))
-            carriers = [r.chunk if r.HasField("chunk") else r.complete for r in responses]
-            [got] = [c.input_logprobs for c in carriers if c.HasField("input_logprobs")]
-            assert carriers[0].HasField("input_logprobs"), "the first message carries them"
-            assert list(got.token_ids) == ids and not got.token_logprobs[0].HasField("value")
-            assert [v.value for v in got.token_logprobs[1:]] == [lp.logprob for lp in expected]
-            assert [list(top.token_ids) for top in got.top_logprobs[1:]] == [list(lp.top_token_ids) for lp in expected]
+                sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2, n=2))
+            carriers = [r.chunk if r.HasField("chunk") else r.complete for r in stub.Generate(request, timeout=60)]
+            firsts = {}
+            for carrier in carriers:
+                firsts.setdefault(carrier.index, carrier)
+            completes = [c for c in carriers if isinstance(c, vllm_engine_pb2.GenerateComplete)]
+            carrying = [c for c in carriers if c.HasField("input_logprobs")]
+            assert sorted(c.index for c in completes) == [0, 1]
+            assert set(map(id, carrying)) == {id(c) for c in [*firsts.values(), *completes]}
+            for got in (c.input_logprobs for c in carrying):
+                assert list(got.token_ids) == ids and not got.token_logprobs[0].HasField("value")
+                assert [v.value for v in got.token_logprobs[1:]] == [lp.logprob for lp in expected]
+                assert [list(top.token_ids) for top in got.top_logprobs[1:]] == \
+                    [list(lp.top_token_ids) for lp in expected]

@@ -229,3 +229,27 @@ def test_samples_of_one_prompt_share_its_prefill_and_continue_as_if_each_had_run
                 committed += step.tokens
             tokens[s] = committed
         assert tokens[slot] == tokens[3]
+
+
+def test_a_prefill_past_a_cached_prefix_continues_as_a_whole_prefill_does(runner):
+    """The first turn's KV stays in slot 0; the second turn prefills only its new tokens there. Its
+    first token and the decode steps after it are the whole prefill's (slot 1)."""
+    first_turn, greedy = list(range(3, 20)), Sampling()
+    [answer] = runner.prefill([PrefillItem(0, first_turn, greedy)])
+    second_turn = first_turn + answer.tokens + [40, 41, 42]
+    outputs = []
+    for slot, cached in ((0, len(first_turn)), (1, 0)):
+        [step] = runner.prefill([PrefillItem(slot, second_turn, greedy, cached=cached, logprobs=2)])
+        committed, logprobs = second_turn + step.tokens, list(step.logprobs)
+        for _ in range(4):
+            [step] = runner.verify([VerifyItem(slot, len(committed), committed[-1], None, greedy, logprobs=2)])
+            committed += step.tokens
+            logprobs += step.logprobs
+        outputs.append((committed, logprobs))
+    (cached_tokens, cached_logprobs), (whole_tokens, whole_logprobs) = outputs
+    assert cached_tokens == whole_tokens
+    if runner.model.native:  # batch-invariant: a row's KV does not depend on the rows run with it
+        assert cached_logprobs == whole_logprobs
+    else:  # the PyTorch decoder's sums depend on the number of rows: float32 rounding, a few ulps
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in cached_logprobs]),
+                                   torch.tensor([lp.logprob for lp in whole_logprobs]), rtol=1e-5, atol=1e-5)

@@ -164,6 +164,20 @@ def test_a_text_prompt_is_taken_too(stub):
     assert [r for r in stub.Generate(request, timeout=60) if r.HasField("complete")]
 
 
+def test_requests_without_an_id_run_side_by_side(front_doors):
+    async def two_at_once():
+        async with grpc.aio.insecure_channel(front_doors.address) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+            async def one() -> list:
+                return [r async for r in stub.Generate(_request([1, 2, 3], request_id="", max_tokens=6))]
+
+            return await asyncio.gather(one(), one())
+
+    for responses in asyncio.run(two_at_once()):
+        assert responses[-1].HasField("complete")
+
+
 def test_a_running_id_is_refused_again_and_an_abort_call_ends_it_cancelled(front_doors):
     async def run_then_abort():
         async with grpc.aio.insecure_channel(front_doors.address) as channel:

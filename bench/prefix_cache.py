@@ -1,0 +1,123 @@
+"""Multi-turn chat with and without prefix caching: time to first token on the turns after the first.
+
+    python -m bench.prefix_cache                    # 8 conversations of 4 turns, one shared system prompt
+
+Two targets of the same model, one with prefix caching (the default) and one with
+--no-prefix-caching, each on one thread, no drafter (the target's prefill is what the cache
+saves). Each conversation runs on both, turn by turn, alternating which goes first, so that a
+drifting machine hits both alike; an idle target uses no CPU. Every conversation opens with the
+same long system prompt; each turn appends the answer and a follow-up question, so the history
+grows. Through the OpenAI API, streamed, greedy. Reports TTFT p50 of turns 2 and later for each
+target, their ratio, the prompt length and the cached tokens the server reported.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from bench.prompt_set import load_prompts
+from tandem.launch import ServiceProcess, free_port
+from tandem.registry import DEFAULT_MODEL
+
+SYSTEM = " ".join(["You are a careful assistant for a team that runs language models in production.",
+                   "Answer in plain words, give the reason for each claim, say what you do not know,",
+                   "and prefer short lists over long paragraphs when a list is clearer."] * 12)
+FOLLOW_UPS = ("Why is that?", "Give one example.", "What would change your answer?", "Say it in one sentence.")
+
+
+@dataclass(slots=True)
+class Turn:
+    ttft: float
+    prompt_tokens: int
+    cached_tokens: int
+    text: str
+
+
+@dataclass(slots=True)
+class Target:
+    name: str
+    url: str
+    turns: list[Turn] = field(default_factory=list)  # turns 2 and later
+
+
+async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int) -> Turn:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, ttft, text, usage = time.perf_counter(), None, "", {}
+    async with session.post(url + "/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk["choices"]:
+                if choice["delta"].get("content"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    text += choice["delta"]["content"]
+            usage = chunk.get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
+    return Turn(ttft if ttft is not None else time.perf_counter() - start, usage.get("prompt_tokens", 0),
+                details.get("cached_tokens", 0), text)
+
+
+async def run(targets: list[Target], conversations: int, turns: int, max_tokens: int) -> None:
+    questions = [p.messages[-1][1] for p in load_prompts(conversations)]
+    async with aiohttp.ClientSession() as session:
+        for index, question in enumerate(questions):
+            histories = {t.name: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+                         for t in targets}
+            for turn in range(turns):
+                order = targets if (index + turn) % 2 == 0 else targets[::-1]
+                for target in order:
+                    history = histories[target.name]
+                    result = await chat(session, target.url, history, max_tokens)
+                    if turn:
+                        target.turns.append(result)
+                    history += [{"role": "assistant", "content": result.text},
+                                {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
+
+
+def report(targets: list[Target]) -> None:
+    print("| target | turns | prompt tokens (mean) | cached tokens (mean) | TTFT p50 ms |")
+    print("|---|---|---|---|---|")
+    p50 = {}
+    for t in targets:
+        p50[t.name] = statistics.median(x.ttft for x in t.turns) * 1000
+        print(f"| {t.name} | {len(t.turns)} | {statistics.mean(x.prompt_tokens for x in t.turns):.0f} | "
+              f"{statistics.mean(x.cached_tokens for x in t.turns):.0f} | {p50[t.name]:.1f} |")
+    print(f"TTFT p50 ratio, cache on / off: {p50['cache on'] / p50['cache off']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    args = parser.parse_args(argv)
+    logs = Path(tempfile.mkdtemp(prefix="tandem-prefix-cache-"))
+    common = ["--model", args.model, "--threads", "1"]
+    processes = {name: ServiceProcess("target_service", [*common, *flags], log_path=logs / f"{name}.log",
+                                      http_port=free_port()).start()
+                 for name, flags in (("cache on", []), ("cache off", ["--no-prefix-caching"]))}
+    try:
+        targets = [Target(name, p.wait_healthy(300).http_url) for name, p in processes.items()]
+        print(f"{args.model}, no drafter, 1 thread each, {args.conversations} conversations of {args.turns} turns, "
+              f"{args.max_tokens} tokens per answer, T=0 (logs: {logs})")
+        asyncio.run(run(targets, args.conversations, args.turns, args.max_tokens))
+        report(targets)
+    finally:
+        for process in processes.values():
+            process.terminate(10)
+
+
+if __name__ == "__main__":
+    main()
