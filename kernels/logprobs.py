@@ -7,6 +7,7 @@ are the target alone's: a verify row i holds the logits the target alone compute
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,13 +84,17 @@ def token_logprobs(rows: RowLogprobs, row_index: list[int], tokens: list[int],
             for row, token, logprob, rank, n in zip(row_index, tokens, chosen, ranks, top_n)]
 
 
-def sequence_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int, chunk_rows: int = 256) -> list[TokenLogprob]:
-    """The logprob of tokens[j] at row j of logits [len(tokens), V] (a prompt's, each row after the
-    tokens before it), with top_n alternatives; chunk_rows rows at a time, so a long prompt needs
-    no second [P, V] tensor."""
+def sequence_logprobs(rows: torch.Tensor, tokens: list[int], top_n: int,
+                      to_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      chunk_rows: int = 256) -> list[TokenLogprob]:
+    """The logprob of tokens[j] at row j of rows [len(tokens), ...] (a prompt's, each row after the
+    tokens before it), with top_n alternatives. rows are logits [P, V], or what to_logits turns into
+    logits (a model's final hidden states); chunk_rows rows at a time, so a long prompt needs no
+    [P, V] tensor."""
     out: list[TokenLogprob] = []
     for start in range(0, len(tokens), chunk_rows):
         part = tokens[start:start + chunk_rows]
-        rows = row_logprobs(logits[start:start + len(part)], top_n)
-        out += token_logprobs(rows, list(range(len(part))), part, [top_n] * len(part))
+        logits = rows[start:start + len(part)]
+        rows_here = row_logprobs(logits if to_logits is None else to_logits(logits), top_n)
+        out += token_logprobs(rows_here, list(range(len(part))), part, [top_n] * len(part))
     return out

@@ -20,6 +20,7 @@ logits context has its rows processed the same way, row i counting d1..di as gen
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -114,8 +115,13 @@ class ModelRunner:
         chunks = [SequenceChunk(slot=items[b].slot, start=items[b].cached, token_ids=items[b].prompt_ids[items[b].cached:],
                                 num_logits=items[b].num_logits) for b in runs]
         masks = self._start_masks([(i.grammar, ()) for i in items])
-        logits, features = self._forward(chunks, capture)  # [sum(num_logits), vocab]
-        logits, prompt_logprobs = _prompt_logprobs(logits, [items[b] for b in runs])  # [runs, vocab]: last rows
+        if capture or all(items[b].prompt_logprobs is None for b in runs):
+            rows, features = self._forward(chunks, capture)  # logits [sum(num_logits), vocab]
+            to_logits = None
+        else:  # prompts' logprobs: hidden states [sum(num_logits), hidden], turned into logits in chunks
+            rows, features = self.model.final_hidden(self.model.build_batch(chunks)), [None] * len(chunks)
+            to_logits = self.model.logits
+        logits, prompt_logprobs = _prompt_logprobs(rows, [items[b] for b in runs], to_logits)  # [runs, vocab]
         if len(runs) < len(items):  # samples of one prompt: its KV copied, its row repeated
             run_of = {b: r for r, b in enumerate(runs)}
             rows = [run_of[b if i.copy_of is None else i.copy_of] for b, i in enumerate(items)]
@@ -291,21 +297,24 @@ def _process_logits(logits: torch.Tensor, items: list[tuple[int, PrefillItem | V
         process_logits(logits, ruled)
 
 
-def _prompt_logprobs(logits: torch.Tensor, items: list[PrefillItem]
+def _prompt_logprobs(rows: torch.Tensor, items: list[PrefillItem],
+                     to_logits: Callable[[torch.Tensor], torch.Tensor] | None
                      ) -> tuple[torch.Tensor, list[list[TokenLogprob] | None]]:
-    """From a prefill's logits [sum(num_logits), vocab]: each item's last row [B, vocab], and the
-    logprobs of the prompt tokens of the items that asked for them (row j scores token j + 1)."""
+    """From a prefill's rows [sum(num_logits), ...] (logits, or what to_logits turns into logits):
+    each item's last row of logits [B, vocab], and the logprobs of the prompt tokens of the items
+    that asked for them (row j scores token j + 1)."""
     if all(i.prompt_logprobs is None for i in items):
-        return logits, [None] * len(items)
+        return rows, [None] * len(items)
     prompts: list[list[TokenLogprob] | None] = []
     lasts, start = [], 0
     for item in items:
         end = start + item.num_logits
         lasts.append(end - 1)
         prompts.append(None if item.prompt_logprobs is None else
-                       sequence_logprobs(logits[start:end - 1], item.prompt_ids[1:], item.prompt_logprobs))
+                       sequence_logprobs(rows[start:end - 1], item.prompt_ids[1:], item.prompt_logprobs, to_logits))
         start = end
-    return logits[torch.tensor(lasts, dtype=torch.int64, device=logits.device)], prompts
+    last = rows[torch.tensor(lasts, dtype=torch.int64, device=rows.device)]
+    return (last if to_logits is None else to_logits(last)), prompts
 
 
 @dataclass(frozen=True, slots=True)
