@@ -54,10 +54,12 @@ class Scheduler:
 
     def add(self, samples: list[Sequence]) -> None:
         """Queue a request's samples; RESOURCE_EXHAUSTED when the queue is full beyond what the next step admits."""
-        if len(self.waiting) + len(samples) - 1 - self._free_capacity() >= self.max_queue:
+        head = self._next_group() if self.waiting else samples
+        admitted = self._free_capacity() if len(head) <= self._free_capacity() else 0  # a group waits whole
+        if len(self.waiting) + len(samples) - admitted > self.max_queue:
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.max_queue} requests are already waiting for a free slot "
+                f"{self.max_queue} sequences are already waiting for a free slot "
                 f"(--max-queue {self.max_queue}); retry later",
             )
         for seq in samples:

@@ -7,6 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import grpc
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from kernels.compression import encode, pack
 from kernels.sampling import Sampling
 from target_service.config import TargetConfig
 from target_service.engine import Engine
+from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from target_service.scheduler import Scheduler
 from target_service.speculation import speculation_policy
@@ -459,6 +461,21 @@ async def test_a_requests_samples_wait_for_room_for_all_then_share_one_prefill(m
     assert [i.copy_of for i in h.runner.prefilled[-1]] == [None, 0, 0]
     assert [s.options.sampling.seed for s in samples] == [40, 41, 42] and [s.index for s in samples] == [0, 1, 2]
     assert all(s.token_ids == [*PROMPT, T[0]] for s in samples)
+
+
+async def test_a_group_that_cannot_be_admitted_whole_counts_as_waiting_in_full(make):
+    """Three samples wait behind a running sequence for three free slots: the two free ones admit
+    nothing next step, so they do not make room in the queue."""
+    h = make(num_slots=3, max_queue=3)
+    h.submit(OTHER_PROMPT)
+    await h.engine.step()
+    options = RequestOptions(sampling=Sampling(temperature=0.0, seed=1), max_tokens=12, stop=(),
+                             stop_token_ids=frozenset(), ignore_eos=False, skip_special_tokens=True, speculate=True,
+                             num_speculative_tokens=MAX_K, n=3)
+    h.engine.submit(h.engine.new_sequences("", list(PROMPT), options))
+    with pytest.raises(RequestError) as refused:
+        h.submit()
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 # ---- reconnect ----------------------------------------------------------------------------------------
