@@ -231,7 +231,7 @@ def _logprobs(logprobs: list[TokenLogprob]) -> vllm_engine_pb2.OutputLogProbs | 
         return None
     return vllm_engine_pb2.OutputLogProbs(
         token_logprobs=[lp.logprob for lp in logprobs], token_ids=[lp.token for lp in logprobs],
-        top_logprobs=[_top(lp) for lp in logprobs])
+        top_logprobs=[_top(lp) for lp in logprobs] if any(lp.top for lp in logprobs) else [])  # none for logprobs=0
 
 
 def _input_logprobs(prompt_ids: list[int], logprobs: list[TokenLogprob]) -> vllm_engine_pb2.InputLogProbs:
