@@ -101,24 +101,26 @@ def test_first_tokens_follow_the_same_distribution_with_and_without_speculation(
     _assert_same_distribution(plain, speculative, positions)
 
 
-# Penalties that bite on a 32-token vocabulary, a bias, and a stop token banned by min_tokens at every position.
+# Penalties that bite on a 32-token vocabulary, a bias, and a stop token (banned by min_tokens at every
+# position).
 RULES = dict(frequency_penalty=0.8, presence_penalty=0.6, repetition_penalty=1.8, logit_bias={19: -3.0, 9: 1.5},
-             stop_token_ids=[7], min_tokens=POSITIONS)
+             stop_token_ids=[7])
 
 
 def test_with_penalties_a_bias_and_min_tokens_the_distribution_is_still_the_target_alones(tiny_pair, plain):
     """Each verified position is processed with the drafts before it counted; the drafter applies the
     same rules, so its drafts are still accepted."""
-    target, _ = tiny_pair
-    alone, _ = _sample(target, speculate=False, positions=POSITIONS, **RULES)
-    speculative, drafts = _sample(target, speculate=True, positions=POSITIONS, **RULES)
+    target, positions = tiny_pair
+    plain = plain[:, :positions]
+    alone, _ = _sample(target, speculate=False, positions=positions, min_tokens=positions, **RULES)
+    speculative, drafts = _sample(target, speculate=True, positions=positions, min_tokens=positions, **RULES)
     assert drafts >= SAMPLES // 2, "too few drafts were verified for the test to mean anything"
     assert (plain == 7).any() and not (alone == 7).any() and not (speculative == 7).any(), "min_tokens bans it"
-    for position in range(POSITIONS):  # the rules change the distribution that the pair must match
+    for position in range(positions):  # the rules change the distribution that the pair must match
         counts = np.stack([np.bincount(plain[:, position], minlength=VOCAB),
                            np.bincount(alone[:, position], minlength=VOCAB)])
         assert chi2_contingency(counts[:, counts.sum(axis=0) > 0]).pvalue < 1e-6, f"position {position}"
-    _assert_same_distribution(alone, speculative, POSITIONS)
+    _assert_same_distribution(alone, speculative, positions)
 
 
 def _assert_same_distribution(plain: np.ndarray, speculative: np.ndarray, positions: int) -> None:
