@@ -29,6 +29,7 @@ class DraftConfig:
     dtype: str = "auto"  # bf16 for a drafter file, on CUDA and on CPUs with the native decoder, else fp32
     threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
     num_slots: int = 8
+    prefix_caching: bool = True  # a closed sequence's slots keep their KV for a prompt with the same first tokens
     max_seqs_per_target: int = 0  # 0: a target may take every slot
     max_model_len: int = 2048
     max_k: int = 8
@@ -89,6 +90,8 @@ HELP = {
              "x86 CPUs the native decoder runs on, else float32)",
     "threads": "torch CPU threads; give each service its own cores",
     "num_slots": "KV slots: sequences drafted at once; further Opens are refused",
+    "prefix_caching": "model drafters: a closed sequence's KV slots keep their KV, and a new sequence whose tokens "
+                      "start the same way prefills only the rest (--no-prefix-caching: prefill every prompt whole)",
     "max_seqs_per_target": "sequences one target (one Speculate stream) may hold, so that a drafter shared by "
                            "several targets serves each; 0: no cap but --num-slots",
     "max_model_len": "the longest sequence, prompt included, that the drafter holds",

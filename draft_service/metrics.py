@@ -56,6 +56,10 @@ class DraftMetrics:
         self.tokens = counter("tandem_draft_tokens", "Draft tokens sent")
         self.reused_tokens = counter(
             "tandem_draft_reused_tokens", "Committed tokens whose KV came from earlier drafts, not recomputed")
+        self.prefix_cache_queries = counter(
+            "tandem_draft_prefix_cache_queries", "Tokens of new sequences looked up in the model drafter's prefix cache")
+        self.prefix_cache_hits = counter(
+            "tandem_draft_prefix_cache_hits", "Tokens of new sequences whose KV a kept slot held: not prefilled again")
         self.suffix_proposals = counter(
             "tandem_draft_suffix_proposals", "Proposals the suffix drafter answered in front of the model (suffix+model)")
         self.errors = counter("tandem_draft_errors", "Drafting rounds that failed (logged with a traceback)")

@@ -49,13 +49,14 @@ def load_drafter(config: DraftConfig) -> LoadedDrafter:
     if config.drafter == "eagle3":
         head = load_eagle3_head(config.model, config.drafter_target, dtype=config.dtype, device=config.device,
                                 num_slots=config.num_slots, max_model_len=config.max_model_len)
-        drafter = Eagle3Drafter(head.model, config.probs_top_k, metrics, guesses=config.predraft_guesses)
+        drafter = Eagle3Drafter(head.model, config.probs_top_k, metrics, guesses=config.predraft_guesses,
+                                prefix_caching=config.prefix_caching)
         vocab_size, tokenizer = head.model.config.vocab_size, head.tokenizer
     elif config.drafter in ("model", "suffix+model"):
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, num_slots=config.num_slots,
                             max_model_len=config.max_model_len, drafter_target=config.drafter_target)
         drafter = ModelDrafter(loaded.model, config.probs_top_k, metrics, loaded.draft_vocab,
-                               guesses=config.predraft_guesses)
+                               guesses=config.predraft_guesses, prefix_caching=config.prefix_caching)
         if config.drafter == "suffix+model":
             drafter = SuffixFrontDrafter(suffix_drafter(config), drafter, config.suffix_confidence)
         # The model's logits width: every id it can draft.

@@ -1,10 +1,11 @@
 """The target's scheduler: the waiting queue, the running batch, admission and the KV slots.
 
 A request's n samples wait, and are admitted, together: their prefill is shared (one forward, the
-prompt's KV copied to the other samples' slots). A new sequence's slot may already hold the KV of its prompt's first tokens (prefix_cache.py). A
-sequence is WAITING from submit to admission, RUNNING while it holds a KV slot, and FINISHED
-once its slot is freed. A running sequence whose finish reason is set keeps its slot until the
-step that used it has published its tokens: `release_finished` then frees it.
+prompt's KV copied to the other samples' slots). A new sequence's slot may already hold the KV of
+its prompt's first tokens (tandem/prefix_cache.py). A sequence is WAITING from submit to
+admission, RUNNING while it holds a KV slot, and FINISHED once its slot is freed. A running
+sequence whose finish reason is set keeps its slot until the step that used it has published its
+tokens: `release_finished` then frees it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import grpc
 
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
-from target_service.prefix_cache import PrefixCache
+from tandem.prefix_cache import PrefixCache
 from target_service.sequence import FinishReason, Sequence, SequenceStatus
 from tandem.model.kv_cache import KVCache
 

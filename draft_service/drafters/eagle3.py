@@ -23,8 +23,9 @@ from tandem.model.eagle3 import Eagle3Model
 class Eagle3Drafter(ModelDrafter):
     kind = "eagle3"
 
-    def __init__(self, model: Eagle3Model, probs_top_k: int, metrics: DraftMetrics, guesses: int = 1):
-        super().__init__(model, probs_top_k, metrics, model.draft_vocab.cpu(), guesses=guesses)
+    def __init__(self, model: Eagle3Model, probs_top_k: int, metrics: DraftMetrics, guesses: int = 1,
+                 prefix_caching: bool = True):
+        super().__init__(model, probs_top_k, metrics, model.draft_vocab.cpu(), guesses, prefix_caching)
         self.feature_layout = FeatureLayout(model.eagle.feature_layers, model.eagle.target_hidden_size)
 
     def _rows(self, jobs: list[DraftJob]) -> list[Row]:

@@ -13,6 +13,12 @@ A scratch slot drafted since the sequence last settled is live (the target may y
 outcome); after `settle` it is spare. The same sequence's next pre-drafts reuse its spare slots
 first (only the positions that changed are copied again), other sequences' take them when no slot
 is free, and only an Open takes a live one.
+
+Every slot comes from a prefix cache (tandem/prefix_cache.py): a closed sequence's slots keep their
+tokens, and a sequence's first catch-up (`adopt`) moves it to the free slot holding the longest
+prefix of its tokens, so that the next turn of a conversation prefills only what is new. An
+EAGLE-3 slot keeps its target features with it; the head's catch-up trims what the target's
+features did not compute (`FeatureCache.exact_rows`).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 
 from draft_service.drafter import SeqKey
 from tandem.model.kv_cache import CacheFullError, KVCache
+from tandem.prefix_cache import PrefixCache
 
 
 @dataclass(slots=True)
@@ -49,8 +56,9 @@ def common_prefix_len(a: list[int], b: list[int], likely: int = 0) -> int:
 class SlotTable:
     """Which slot holds what; runs on the drafter's thread, like every drafter method."""
 
-    def __init__(self, kv_cache: KVCache):
+    def __init__(self, kv_cache: KVCache, prefix_caching: bool = True):
         self._kv = kv_cache
+        self._cache = PrefixCache(kv_cache, prefix_caching)
         self._sequences: dict[SeqKey, SequenceSlots] = {}
 
     def open(self, key: SeqKey) -> None:
@@ -59,10 +67,20 @@ class SlotTable:
     def close(self, key: SeqKey) -> None:
         slots = self._sequences.pop(key)
         for state in (slots.own, *slots.scratch):
-            self._kv.free(state.slot)
+            self._cache.release(state.slot, state.cached)
 
     def own(self, key: SeqKey) -> SlotState:
         return self._sequences[key].own
+
+    def adopt(self, key: SeqKey, tokens: list[int]) -> None:
+        """Before a sequence's first catch-up: its own slot becomes the free one holding the longest
+        prefix of `tokens` (its own, when none holds more)."""
+        own = self._sequences[key].own
+        if own.cached or own.committed_len:
+            return
+        self._cache.release(own.slot, [])
+        own.slot, held = self._cache.allocate(tokens)
+        own.cached = tokens[:held]
 
     def scratch(self, key: SeqKey) -> list[SlotState]:
         return self._sequences[key].scratch
@@ -96,7 +114,7 @@ class SlotTable:
         """A live scratch slot holding the KV of a prefix of `tokens`, copied from the sequence's own slot
         up to (not including) the last token, which the drafter feeds for its logits. None: no room."""
         slots = self._sequences[key]
-        state = self._spare_of(slots, tokens) or self._free_slot(slots) or self._spare_of_others(key, slots)
+        state = self._spare_of(slots, tokens) or self._free_slot(slots, tokens) or self._spare_of_others(key, slots)
         if state is None:
             return None
         state.live = True
@@ -111,10 +129,11 @@ class SlotTable:
         spare = [s for s in slots.scratch if not s.live]
         return max(spare, key=lambda s: common_prefix_len(s.cached, tokens), default=None)
 
-    def _free_slot(self, slots: SequenceSlots) -> SlotState | None:
+    def _free_slot(self, slots: SequenceSlots, tokens: list[int]) -> SlotState | None:
         if not self._kv.num_free_slots:
             return None
-        state = SlotState(self._kv.allocate(), [])
+        slot, held = self._cache.allocate(tokens)
+        state = SlotState(slot, tokens[:held])
         slots.scratch.append(state)
         return state
 
@@ -131,7 +150,7 @@ class SlotTable:
     def _slot_for_open(self) -> int:
         """A free slot, else a scratch slot: spare ones first, live ones last."""
         if self._kv.num_free_slots:
-            return self._kv.allocate()
+            return self._cache.allocate([])[0]
         for live in (False, True):
             for other in self._sequences.values():
                 state = next((s for s in other.scratch if s.live == live), None)

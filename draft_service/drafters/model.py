@@ -188,8 +188,9 @@ class ModelDrafter:
     feature_layout = None  # it reads no target features
 
     def __init__(self, model: LlamaModel, probs_top_k: int, metrics: DraftMetrics,
-                 draft_vocab: torch.Tensor | None = None, guesses: int = 1):
-        """guesses: the recovered-token guesses each draft carries, for pre-drafting."""
+                 draft_vocab: torch.Tensor | None = None, guesses: int = 1, prefix_caching: bool = True):
+        """guesses: the recovered-token guesses each draft carries, for pre-drafting; prefix_caching:
+        a closed sequence's slots keep their KV for a new one with the same first tokens."""
         self.model = model
         self.guesses = guesses
         vocab_size = model.config.vocab_size
@@ -197,7 +198,7 @@ class ModelDrafter:
         head_rows = vocab_size if draft_vocab is None else len(draft_vocab)
         self.probs_top_k = min(probs_top_k, head_rows)  # encode's K, which Info reports
         self.metrics = metrics
-        self.slots = SlotTable(model.kv_cache)
+        self.slots = SlotTable(model.kv_cache, prefix_caching)
         self.masker = TokenMasker(vocab_size)
 
     def open(self, key: SeqKey) -> None:
@@ -241,6 +242,8 @@ class ModelDrafter:
                 if grammar is None:
                     continue  # the grammar allows no token after this prefix
             key = job.sequence.key
+            if not job.is_predraft:
+                self.slots.adopt(key, job.tokens)
             state = self.slots.scratch_for(key, job.tokens) if job.is_predraft else self.slots.own(key)
             if state is not None:
                 rows.append(Row(job, state, budget, grammar))
@@ -341,7 +344,7 @@ class ModelDrafter:
             # At least the last token is fed again: its logits give the next one.
             start = min(common_prefix_len(state.cached, job.tokens, likely=state.committed_len), len(job.tokens) - 1)
             if not job.is_predraft:  # a pre-draft's assumed tokens are not committed ones
-                self.metrics.reused_tokens.inc(max(0, start - state.committed_len))
+                self._count_reuse(job, state, start)
                 prefills |= state.committed_len == 0
             state.cached = job.tokens[:start]  # until the forward has written the rest
             chunks.append(SequenceChunk(state.slot, start, job.tokens[start:]))
@@ -353,6 +356,15 @@ class ModelDrafter:
             row.state.cached = list(row.job.tokens)
             row.state.committed_len = row.job.known_len
         return logits
+
+    def _count_reuse(self, job: DraftJob, state: SlotState, start: int) -> None:
+        """KV not recomputed: on a sequence's first catch-up (nothing committed yet) what the prefix cache
+        held, later what earlier drafts computed."""
+        if state.committed_len == 0:
+            self.metrics.prefix_cache_queries.inc(len(job.tokens))
+            self.metrics.prefix_cache_hits.inc(start)
+        else:
+            self.metrics.reused_tokens.inc(max(0, start - state.committed_len))
 
     def _feed(self, rows: list[Row]) -> torch.Tensor:
         """Write each row's latest token into its slot; logits [B, V] for the next draft."""

@@ -62,7 +62,9 @@ class Eagle3Weights:
 
 
 class FeatureCache(KVCache):
-    """The head's KV slots, and per slot the feature of every position (copied along with K and V)."""
+    """The head's KV slots, and per slot the feature of every position (copied along with K and V).
+    A freed slot keeps its features with its KV, for the drafter's prefix cache; its next owner's
+    catch-up reloads them past the prefix it shares."""
 
     def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: torch.device):
@@ -70,11 +72,6 @@ class FeatureCache(KVCache):
         self.features = torch.zeros(num_slots, max_len, config.hidden_size, dtype=dtype, device=device)
         self.target_len = [0] * num_slots  # positions [0, target_len) hold the target's features
         self.exact_rows = [0] * num_slots  # leading rows computed from the target's features only
-
-    def allocate(self) -> int:
-        slot = super().allocate()
-        self.target_len[slot] = self.exact_rows[slot] = 0
-        return slot
 
     def copy_positions(self, source: int, dest: int, start: int, end: int) -> None:
         super().copy_positions(source, dest, start, end)

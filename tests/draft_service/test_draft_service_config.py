@@ -16,12 +16,14 @@ VALUES = {
     "suffix_min_token_prob": 0.2, "suffix_cache_tokens": 1000, "suffix_confidence": 0.5, "grammar_cache_size": 32, "grace_seconds": 1.5,
     "log_level": "debug", "max_message_bytes": 1024, "tls_cert": "d.crt", "tls_key": "d.key", "tls_client_ca": "ca.crt",
 }
+SWITCHES = {"prefix_caching": False}  # --x / --no-x flags
 
 
 def test_every_field_is_a_flag():
-    assert set(VALUES) == {f.name for f in fields(DraftConfig)}
+    assert set(VALUES) | set(SWITCHES) == {f.name for f in fields(DraftConfig)}
     argv = [arg for name, value in VALUES.items() for arg in ("--" + name.replace("_", "-"), str(value))]
-    assert asdict(parse_config(argv)) == VALUES
+    argv += ["--" + ("" if on else "no-") + name.replace("_", "-") for name, on in SWITCHES.items()]
+    assert asdict(parse_config(argv)) == VALUES | SWITCHES
 
 
 def test_defaults(capsys):

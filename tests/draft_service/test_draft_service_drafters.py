@@ -250,3 +250,30 @@ def test_greedy_drafts_follow_the_requests_logits_rules(drafter, reference, samp
     assert drafts != greedy_generate(reference, prompt, 6)
     if min_tokens:
         assert not {4, 5} & set(drafts[:min_tokens]) and set(drafts) <= set(sampling.allowed_token_ids)
+
+
+def _prefix_hits(drafter) -> float:
+    return drafter.metrics.registry.get_sample_value("tandem_draft_prefix_cache_hits_total",
+                                                     {"model": "tiny", "service": "draft"})
+
+
+@pytest.mark.parametrize("mode", [Sampling(), SAMPLED], ids=["greedy", "sampled"])
+def test_a_next_turn_drafts_from_the_kv_its_last_turn_left_as_a_whole_prefill_does(mode):
+    """A closed sequence's slot keeps its KV: the next turn of the conversation prefills only what is
+    new, and its drafts and q' are those of a drafter that prefills it whole."""
+    cached, whole = (ModelDrafter(tiny_draft_model(), TOP_K, DraftMetrics("tiny"), prefix_caching=on)
+                     for on in (True, False))
+    turn = _prompt(20, 11)
+    drafts = {}
+    for drafter in (cached, whole):
+        first = _open(drafter, 1, turn, sampling=mode)
+        drafts[drafter] = _draft_one(drafter, first)
+        drafter.close(first.key)
+        _draft_one(drafter, _open(drafter, 2, _prompt(9, 12), sampling=mode))  # another sequence, in another slot
+    assert drafts[cached].token_ids == drafts[whole].token_ids
+    next_turn = turn + [(drafts[cached].token_ids[0] + 1) % VOCAB] + _prompt(6, 13)  # not what was drafted
+    again = {drafter: _draft_one(drafter, _open(drafter, 3, next_turn, sampling=mode)) for drafter in (cached, whole)}
+    assert again[cached].token_ids == again[whole].token_ids
+    sent = [again[d].to_proto() for d in (cached, whole)]
+    assert sent[0].probs == sent[1].probs and sent[0].probs_top_k == sent[1].probs_top_k
+    assert _prefix_hits(cached) == len(turn) and _prefix_hits(whole) == 0

@@ -54,6 +54,20 @@ def test_drafts_from_target_features_and_greedy_output_is_the_targets(eagle_pair
     assert metric(scrape(draft.metrics_url), "tandem_draft_invalid_updates_total") == 0
 
 
+def test_the_heads_prefix_cache_serves_a_repeated_prompt_with_its_kv_and_features(eagle_pair):
+    """The head's slot keeps its KV and the target features it read: the same prompt again finds them
+    there, and drafts from them (the target prefills whole: it must send every position's features)."""
+    draft, target, _ = eagle_pair
+    request = greedy_request(PROMPTS[2], MAX_TOKENS, speculate=True)
+    [first] = run_requests(target.address, [request])
+    hits_before = metric(scrape(draft.metrics_url), "tandem_draft_prefix_cache_hits_total")
+    [again] = run_requests(target.address, [request])
+    hits = metric(scrape(draft.metrics_url), "tandem_draft_prefix_cache_hits_total") - hits_before
+    assert again.token_ids == first.token_ids and again.cached_tokens == 0
+    assert hits >= again.prompt_tokens - 1  # the drafter's first job holds the prompt and the tokens committed by then
+    assert again.draft_tokens > 0  # the head drafts from what it kept (random, its drafts are rarely accepted)
+
+
 def test_sampled_requests_with_the_heads_probabilities_finish(eagle_pair):
     _, target, _ = eagle_pair
     requests = [greedy_request(p, MAX_TOKENS, speculate=True, seed=i) for i, p in enumerate(PROMPTS)]

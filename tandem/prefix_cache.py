@@ -1,13 +1,14 @@
-"""Automatic prefix caching over the KV slots: a freed slot keeps its KV for the next prompt that
-starts with the same tokens.
+"""Automatic prefix caching over KV slots: a freed slot keeps its KV for the next prompt that starts
+with the same tokens. The target's scheduler and the model drafter's slot table both allocate
+through it.
 
-A slot holds the KV of every token its last sequence ran through the model, committed ones up to
-the last (whose KV the next step would have computed). When the sequence ends, the slot is kept
-with those tokens. A new sequence takes the free slot whose kept tokens share the longest prefix
-with its prompt, and prefills only the rest: the next turn of a conversation, or another request
-with the same system prompt. Without a match it takes a slot that keeps nothing, else the one freed
-longest ago. The KV is the same as a prefill's: one model, and the decoders' rows do not depend on
-their batch (the native decoder bit for bit).
+A slot holds the KV of the tokens its last sequence ran through the model. When the sequence ends,
+the slot is kept with those tokens. A new sequence takes the free slot whose kept tokens share the
+longest prefix with its prompt, and prefills only the rest: the next turn of a conversation, or
+another request with the same system prompt. Without a match it takes a slot that keeps nothing,
+else the one freed longest ago. The key is the tokens alone: each service holds one model, and the
+decoders' rows do not depend on their batch (the native decoder bit for bit), so the kept KV is
+the one a prefill would compute.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class PrefixCache:
 
     def allocate(self, prompt_ids: list[int]) -> tuple[int, int]:
         """A free slot for the prompt, and how many of the prompt's first tokens already have their KV
-        there: at most all but the last, which runs for its logits."""
+        there: at most all but the last, which runs for its logits (none for an empty prompt)."""
         best, cached, prompt = None, 0, tuple(prompt_ids)
         for slot, tokens in self._kept.items():
             shared = len(os.path.commonprefix([tokens, prompt]))
@@ -35,7 +36,7 @@ class PrefixCache:
             keeping_nothing = [slot for slot in self.kv_cache.free_slots if slot not in self._kept]
             best = keeping_nothing[-1] if keeping_nothing else next(iter(self._kept))
         self._kept.pop(best, None)
-        return self.kv_cache.take(best), min(cached, len(prompt_ids) - 1)
+        return self.kv_cache.take(best), min(cached, max(0, len(prompt_ids) - 1))
 
     def release(self, slot: int, tokens: list[int]) -> None:
         """Free the slot; it keeps the KV of `tokens` (nothing, when empty or caching is off)."""
