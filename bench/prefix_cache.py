@@ -56,9 +56,21 @@ class Target:
     drafter_prefill: tuple[float, float] = (0.0, 0.0)  # the drafter's prefill rounds: (seconds, count)
 
 
-async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int) -> Turn:
+def opening(question: str) -> list[dict]:
+    """A conversation's first messages: the shared system prompt and its question."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def follow_up(history: list[dict], answer: str, turn: int) -> None:
+    """The history grows by the answer to `turn` and the next question."""
+    history += [{"role": "assistant", "content": answer},
+                {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
+
+
+async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int,
+               model: str | None = None) -> Turn:
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
     start, ttft, last, text, usage = time.perf_counter(), None, 0.0, "", {}
     async with session.post(url + "/chat/completions", json=body) as response:
         response.raise_for_status()
@@ -82,8 +94,7 @@ async def run(targets: list[Target], conversations: int, turns: int, max_tokens:
     questions = [p.messages[-1][1] for p in load_prompts(conversations)]
     async with aiohttp.ClientSession() as session:
         for index, question in enumerate(questions):
-            histories = {t.name: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-                         for t in targets}
+            histories = {t.name: opening(question) for t in targets}
             for turn in range(turns):
                 order = targets if (index + turn) % 2 == 0 else targets[::-1]
                 for target in order:
@@ -91,8 +102,7 @@ async def run(targets: list[Target], conversations: int, turns: int, max_tokens:
                     result = await chat(session, target.url, history, max_tokens)
                     if turn:
                         target.turns.append(result)
-                    history += [{"role": "assistant", "content": result.text},
-                                {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
+                    follow_up(history, result.text, turn)
 
 
 def read_drafter_prefill(target: Target) -> None:
