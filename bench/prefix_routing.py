@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--served-name", default=DEFAULT_MODEL, help="the model name the targets serve")
     args = parser.parse_args(argv)
+    if args.turns < 2:
+        parser.error("--turns must be at least 2: TTFT is measured on the turns after the first")
     logs = Path(tempfile.mkdtemp(prefix="tandem-prefix-routing-"))
     questions = [p.messages[-1][1] for p in load_prompts(args.conversations)]
     print(f"{args.model}, two targets behind smg, 1 thread each, no drafter, {args.conversations} conversations "

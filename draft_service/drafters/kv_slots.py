@@ -16,7 +16,8 @@ is free, and only an Open takes a live one.
 
 Every slot comes from a prefix cache (tandem/prefix_cache.py): a closed sequence's slots keep their
 tokens, and a sequence's first catch-up (`adopt`) moves it to the free slot holding the longest
-prefix of its tokens, so that the next turn of a conversation prefills only what is new. An
+prefix of its tokens, so that the next turn of a conversation prefills only what is new. Opens and
+scratch slots take a slot that keeps nothing, else the one kept longest. An
 EAGLE-3 slot keeps its target features with it; the head's catch-up trims what the target's
 features did not compute (`FeatureCache.exact_rows`).
 """
@@ -65,8 +66,9 @@ class SlotTable:
         self._sequences[key] = SequenceSlots(SlotState(self._slot_for_open(), []))
 
     def close(self, key: SeqKey) -> None:
+        """Frees the sequence's slots, its own last: the one with its whole history is evicted last."""
         slots = self._sequences.pop(key)
-        for state in (slots.own, *slots.scratch):
+        for state in (*slots.scratch, slots.own):
             self._cache.release(state.slot, state.cached)
 
     def own(self, key: SeqKey) -> SlotState:
@@ -114,7 +116,7 @@ class SlotTable:
         """A live scratch slot holding the KV of a prefix of `tokens`, copied from the sequence's own slot
         up to (not including) the last token, which the drafter feeds for its logits. None: no room."""
         slots = self._sequences[key]
-        state = self._spare_of(slots, tokens) or self._free_slot(slots, tokens) or self._spare_of_others(key, slots)
+        state = self._spare_of(slots, tokens) or self._free_slot(slots) or self._spare_of_others(key, slots)
         if state is None:
             return None
         state.live = True
@@ -129,11 +131,12 @@ class SlotTable:
         spare = [s for s in slots.scratch if not s.live]
         return max(spare, key=lambda s: common_prefix_len(s.cached, tokens), default=None)
 
-    def _free_slot(self, slots: SequenceSlots, tokens: list[int]) -> SlotState | None:
+    def _free_slot(self, slots: SequenceSlots) -> SlotState | None:
+        """A free slot: one that keeps nothing, else the one kept longest (not the best match, which
+        another conversation's next turn may want)."""
         if not self._kv.num_free_slots:
             return None
-        slot, held = self._cache.allocate(tokens)
-        state = SlotState(slot, tokens[:held])
+        state = SlotState(self._cache.allocate([])[0], [])  # the prefix is copied from the sequence's own slot
         slots.scratch.append(state)
         return state
 

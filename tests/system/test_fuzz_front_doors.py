@@ -206,6 +206,15 @@ def vllm_requests(draw) -> bytes:
     return wire
 
 
+def _without_cached_tokens(responses: list) -> list:
+    """The responses with `complete.cached_tokens` cleared: whether the prompt's KV is still kept
+    depends on how many requests came in between."""
+    for response in responses:
+        if response.HasField("complete"):
+            response.complete.ClearField("cached_tokens")
+    return responses
+
+
 @pytest.mark.parametrize("examples", [60, pytest.param(10_000, marks=pytest.mark.slow)])
 def test_generated_vllm_engine_requests_end_cleanly_and_leave_the_server_sound(target, examples):
     seen: dict[str, int] = {}
@@ -222,7 +231,7 @@ def test_generated_vllm_engine_requests_end_cleanly_and_leave_the_server_sound(t
             except grpc.RpcError as err:
                 return err.code(), []
 
-        reference = outcome(good)[1]
+        reference = _without_cached_tokens(outcome(good)[1])
 
         @settings(max_examples=examples, deadline=None, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -237,6 +246,6 @@ def test_generated_vllm_engine_requests_end_cleanly_and_leave_the_server_sound(t
             assert target.process.poll() is None, "the target died"
 
         check()
-        assert outcome(good)[1] == reference, "a fuzzed request changed a later greedy output"
+        assert _without_cached_tokens(outcome(good)[1]) == reference, "a fuzzed request changed a later greedy output"
     _assert_idle(target)
     assert seen.get("OK", 0) > 0 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
