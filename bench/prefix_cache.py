@@ -33,7 +33,7 @@ from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
 SYSTEM = " ".join(["You are a careful assistant for a team that runs language models in production.",
                    "Answer in plain words, give the reason for each claim, say what you do not know,",
-                   "and prefer short lists over long paragraphs when a list is clearer."] * 12)
+                   "and prefer short lists over long paragraphs when a list is clearer."] * 20)
 FOLLOW_UPS = ("Why is that?", "Give one example.", "What would change your answer?", "Say it in one sentence.")
 
 
@@ -112,7 +112,7 @@ def read_drafter_prefill(target: Target) -> None:
 
 
 def report(targets: list[Target], pair: bool) -> None:
-    columns = ["target", "turns", "prompt tokens (mean)", "cached tokens (mean)", "TTFT p50 ms"]
+    columns = ["target", "turns", "prompt tokens (min, mean)", "cached tokens (mean)", "TTFT p50 ms"]
     if pair:
         columns += ["decode tok/s (turns 2+)", "drafter prefill ms (mean)"]
     print("| " + " | ".join(columns) + " |")
@@ -120,7 +120,7 @@ def report(targets: list[Target], pair: bool) -> None:
     p50, decode = {}, {}
     for t in targets:
         p50[t.name] = statistics.median(x.ttft for x in t.turns) * 1000
-        cells = [t.name, str(len(t.turns)), f"{statistics.mean(x.prompt_tokens for x in t.turns):.0f}",
+        cells = [t.name, str(len(t.turns)), f"{min(x.prompt_tokens for x in t.turns)}, {statistics.mean(x.prompt_tokens for x in t.turns):.0f}",
                  f"{statistics.mean(x.cached_tokens for x in t.turns):.0f}", f"{p50[t.name]:.1f}"]
         if pair:
             decode[t.name] = (sum(x.completion_tokens - 1 for x in t.turns)
