@@ -39,7 +39,9 @@ class PrefixCache:
         return self.kv_cache.take(best), min(cached, max(0, len(prompt_ids) - 1))
 
     def release(self, slot: int, tokens: list[int]) -> None:
-        """Free the slot; it keeps the KV of `tokens` (nothing, when empty or caching is off)."""
-        self.kv_cache.free(slot)
-        if self.enabled and tokens:
-            self._kept[slot] = tuple(tokens)
+        """Free the slot; it keeps the KV of `tokens` (nothing, when empty or caching is off), and
+        the blocks past them go back to the pool."""
+        keep = tokens if self.enabled else []
+        self.kv_cache.free(slot, keep=len(keep))
+        if keep:
+            self._kept[slot] = tuple(keep)

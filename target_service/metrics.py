@@ -80,7 +80,7 @@ class TargetMetrics:
             "tandem_hidden_state_bytes", "Bytes of target features sent to a drafter that reads them (EAGLE-3 style).")
         self.running = gauge("tandem_num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("tandem_num_requests_waiting", "Requests waiting for admission.")
-        self.kv_usage = gauge("tandem_kv_cache_usage_perc", "Share of the KV cache in use, 0 to 1 (KV slots held).")
+        self.kv_usage = gauge("tandem_kv_cache_usage_perc", "Share of the KV cache in use, 0 to 1 (blocks held by running sequences).")
         self.drafter_connected = gauge("tandem_drafter_connected", "1 while a compatible drafter is connected.")
         self.drafts_requested = gauge(
             "tandem_spec_decode_requested_drafts",

@@ -50,8 +50,8 @@ class Scheduler:
 
     @property
     def kv_usage(self) -> float:
-        """The share of the KV cache in use: each running sequence holds one whole slot."""
-        return 1 - self.kv_cache.num_free_slots / self.kv_cache.num_slots
+        """The share of the KV cache's blocks that running sequences hold."""
+        return self.kv_cache.usage
 
     def add(self, samples: list[Sequence]) -> None:
         """Queue a request's samples; RESOURCE_EXHAUSTED when the queue is full beyond what the next step admits."""

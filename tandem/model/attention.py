@@ -1,4 +1,4 @@
-"""Attention over per-sequence KV slots.
+"""Attention over the paged KV cache, read through each sequence's block table (kv_cache.py).
 
 Grouped-query attention runs without repeating K/V: the G query heads that share a KV head
 are folded into the query length, [kv_heads, G * T, head_dim], so one SDPA call covers them.
@@ -12,20 +12,19 @@ from tandem.model.batch import AttentionMetadata
 
 
 def write_kv(
-    k_cache: torch.Tensor,  # [slots, kv_heads, max_len, head_dim]
+    k_cache: torch.Tensor,  # [kv_heads, pool positions, head_dim]
     v_cache: torch.Tensor,
     k: torch.Tensor,  # [T, kv_heads, head_dim]
     v: torch.Tensor,
-    positions: torch.Tensor,  # [T]
     meta: AttentionMetadata,
 ) -> None:
-    if meta.single_slot is not None:
-        start = meta.context_len - k.shape[0]
-        k_cache[meta.single_slot, :, start : meta.context_len] = k.transpose(0, 1)
-        v_cache[meta.single_slot, :, start : meta.context_len] = v.transpose(0, 1)
+    if meta.kv_start is not None:
+        start = meta.kv_start + meta.context_len - k.shape[0]
+        k_cache[:, start : meta.kv_start + meta.context_len] = k.transpose(0, 1)
+        v_cache[:, start : meta.kv_start + meta.context_len] = v.transpose(0, 1)
     else:
-        k_cache[meta.token_slots, :, positions] = k
-        v_cache[meta.token_slots, :, positions] = v
+        k_cache[:, meta.write_index] = k.transpose(0, 1)
+        v_cache[:, meta.write_index] = v.transpose(0, 1)
 
 
 def attend(
@@ -35,19 +34,18 @@ def attend(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """Returns [T, heads * head_dim]."""
-    if meta.single_slot is not None:
+    if meta.single:
         return _attend_single(q, k_cache, v_cache, meta)
     return _attend_batched(q, k_cache, v_cache, meta)
 
 
 def _attend_single(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads = k_cache.shape[0]
     group = num_heads // kv_heads
     # 4-D operands: 3-D ones send CPU SDPA down its unfused math path, 2x slower here.
-    slot = slice(meta.single_slot, meta.single_slot + 1)
-    k = k_cache[slot, :, : meta.context_len]  # [1, kv_heads, L, head_dim], a view
-    v = v_cache[slot, :, : meta.context_len]
+    k = _keys_of_one(k_cache, meta).unsqueeze(0)  # [1, kv_heads, L, head_dim]
+    v = _keys_of_one(v_cache, meta).unsqueeze(0)
     q = q.view(num_tokens, kv_heads, group, head_dim).permute(1, 2, 0, 3)
     q = q.reshape(1, kv_heads, group * num_tokens, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask)  # [1, kv_heads, G*T, head_dim]
@@ -55,14 +53,21 @@ def _attend_single(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
+def _keys_of_one(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """[kv_heads, pool positions, head_dim] -> the sequence's [kv_heads, L, head_dim]."""
+    if meta.kv_start is not None:
+        return cache[:, meta.kv_start : meta.kv_start + meta.context_len]  # a view
+    return cache.index_select(1, meta.kv_index)
+
+
 def _attend_batched(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[1]
+    kv_heads = k_cache.shape[0]
     group = num_heads // kv_heads
     max_q = meta.max_query_len
     batch = meta.query_index.shape[0]
-    k = _gather_slots(k_cache, meta)  # [B, kv_heads, L, head_dim]
-    v = _gather_slots(v_cache, meta)
+    k = _gather_keys(k_cache, meta)  # [B, kv_heads, L, head_dim]
+    v = _gather_keys(v_cache, meta)
     qp = q[meta.query_index]  # [B, maxq, heads, head_dim]
     qp = qp.view(batch, max_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qp = qp.reshape(batch, kv_heads, group * max_q, head_dim)
@@ -72,9 +77,8 @@ def _attend_batched(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tenso
     return out[meta.token_to_padded]
 
 
-def _gather_slots(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """[slots, kv_heads, max_len, head_dim] -> the batch's [B, kv_heads, L, head_dim]."""
-    cache = cache[:, :, : meta.context_len]
-    if meta.first_slot is not None:
-        return cache[meta.first_slot : meta.first_slot + meta.slot_ids.shape[0]]  # a view
-    return cache.index_select(0, meta.slot_ids)  # 4-5x faster than advanced indexing on CPU
+def _gather_keys(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """[kv_heads, pool positions, head_dim] -> the batch's [B, kv_heads, L, head_dim]."""
+    batch, length = meta.kv_index.shape
+    rows = cache.index_select(1, meta.kv_index.view(-1))  # 4-5x faster than advanced indexing on CPU
+    return rows.view(cache.shape[0], batch, length, cache.shape[2]).transpose(0, 1)

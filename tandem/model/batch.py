@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.model.kv_cache import KVCache
+
 
 @dataclass(frozen=True, slots=True)
 class SequenceChunk:
@@ -22,17 +24,21 @@ class SequenceChunk:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Index tensors that every layer's attention shares, built once per forward."""
+    """Index tensors that every layer's attention shares, built once per forward.
 
-    single_slot: int | None  # set when the batch holds one sequence: views, no gathers
+    Keys and values are read and written at pool positions (kv_cache.py): a slot's position p
+    sits at block_tables[slot, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE.
+    """
+
+    single: bool  # the batch holds one sequence
     context_len: int  # the longest context in the batch
     max_query_len: int
     mask: torch.Tensor | None  # [G*T, L] single, [B, 1, G*maxq, maxL] batched; None = all visible
-    slot_ids: torch.Tensor | None  # [B]
-    first_slot: int | None  # set when the batch's slots are consecutive: K/V are views, no gathers
+    kv_start: int | None  # single, keys [0, L) one run of the pool from here: K/V are views, no gathers
+    kv_index: torch.Tensor | None  # otherwise the pool position of each key: [L] single, [B, maxL] batched
+    write_index: torch.Tensor | None  # [T]: the pool position of each new token; None when kv_start is set
     query_index: torch.Tensor | None  # [B, maxq] -> token index (padding points at a real token)
     token_to_padded: torch.Tensor | None  # [T] -> flat index into [B * maxq]
-    token_slots: torch.Tensor | None  # [T]
 
 
 @dataclass(slots=True)
@@ -44,8 +50,8 @@ class ForwardBatch:
     num_tokens: int
 
     @classmethod
-    def build(cls, chunks: list[SequenceChunk], queries_per_kv: int, device: torch.device) -> "ForwardBatch":
-        """Chunks as LlamaModel.build_batch validated them."""
+    def build(cls, chunks: list[SequenceChunk], queries_per_kv: int, kv_cache: KVCache) -> "ForwardBatch":
+        """Chunks as LlamaModel.build_batch validated them, their blocks reserved."""
         ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
@@ -54,10 +60,11 @@ class ForwardBatch:
             positions.extend(range(c.start, c.end))
             logits_indices.extend(range(len(ids) - c.num_logits, len(ids)))
         attn = (
-            _single_metadata(chunks[0], queries_per_kv, device)
+            _single_metadata(chunks[0], queries_per_kv, kv_cache)
             if len(chunks) == 1
-            else _batched_metadata(chunks, queries_per_kv, device)
+            else _batched_metadata(chunks, queries_per_kv, kv_cache)
         )
+        device = kv_cache.block_tables.device
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -73,52 +80,62 @@ def _causal_mask(query_positions: torch.Tensor, context_len: int) -> torch.Tenso
     return keys <= query_positions.unsqueeze(-1)
 
 
-def _single_metadata(chunk: SequenceChunk, queries_per_kv: int, device: torch.device) -> AttentionMetadata:
+def _single_metadata(chunk: SequenceChunk, queries_per_kv: int, kv_cache: KVCache) -> AttentionMetadata:
+    device = kv_cache.block_tables.device
     num_new = len(chunk.token_ids)
     mask = None
     if num_new > 1:
         positions = torch.arange(chunk.start, chunk.end, device=device)
         mask = _causal_mask(positions, chunk.end).repeat(queries_per_kv, 1)  # [G*T, L]
+    kv_start = kv_cache.contiguous_start(chunk.slot, chunk.end)
+    kv_index = write_index = None
+    if kv_start is None:
+        pool = kv_cache.pool_positions(chunk.slot, 0, chunk.end)
+        kv_index = torch.tensor(pool, dtype=torch.long, device=device)
+        write_index = kv_index[chunk.start :]
     return AttentionMetadata(
-        single_slot=chunk.slot,
+        single=True,
         context_len=chunk.end,
         max_query_len=num_new,
         mask=mask,
-        slot_ids=None,
-        first_slot=None,
+        kv_start=kv_start,
+        kv_index=kv_index,
+        write_index=write_index,
         query_index=None,
         token_to_padded=None,
-        token_slots=None,
     )
 
 
-def _batched_metadata(chunks: list[SequenceChunk], queries_per_kv: int, device: torch.device) -> AttentionMetadata:
+def _batched_metadata(chunks: list[SequenceChunk], queries_per_kv: int, kv_cache: KVCache) -> AttentionMetadata:
     max_q = max(len(c.token_ids) for c in chunks)
-    slots = [c.slot for c in chunks]
     context_len = max(c.end for c in chunks)
     query_index = torch.zeros(len(chunks), max_q, dtype=torch.long)
     query_pos = torch.zeros(len(chunks), max_q, dtype=torch.long)  # padding sees key 0 only
+    kv_index = torch.zeros(len(chunks), context_len, dtype=torch.long)  # keys past a chunk's end: masked
     token_to_padded: list[int] = []
-    token_slots: list[int] = []
+    write_index: list[int] = []
     offset = 0
     for b, c in enumerate(chunks):
         n = len(c.token_ids)
         query_index[b, :n] = torch.arange(offset, offset + n)
         query_index[b, n:] = offset
         query_pos[b, :n] = torch.arange(c.start, c.end)
+        pool = kv_cache.pool_positions(c.slot, 0, c.end)
+        kv_index[b, : c.end] = torch.tensor(pool, dtype=torch.long)
         token_to_padded.extend(range(b * max_q, b * max_q + n))
-        token_slots.extend([c.slot] * n)
+        write_index.extend(pool[c.start :])
         offset += n
     mask = _causal_mask(query_pos, context_len)  # [B, maxq, L]
     mask = mask.repeat(1, queries_per_kv, 1).unsqueeze(1)  # [B, 1, G*maxq, L]
+    device = kv_cache.block_tables.device
     return AttentionMetadata(
-        single_slot=None,
+        single=False,
         context_len=context_len,
         max_query_len=max_q,
         mask=mask.to(device),
-        slot_ids=torch.tensor(slots, dtype=torch.long, device=device),
-        first_slot=slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None,
+        kv_start=None,
+        kv_index=kv_index.to(device),
+        write_index=torch.tensor(write_index, dtype=torch.long, device=device),
         query_index=query_index.to(device),
         token_to_padded=torch.tensor(token_to_padded, dtype=torch.long, device=device),
-        token_slots=torch.tensor(token_slots, dtype=torch.long, device=device),
     )

@@ -125,12 +125,14 @@ class Eagle3Model:
             if not c.token_ids or c.end > self.max_len:
                 raise ValueError(f"a chunk of {len(c.token_ids)} tokens ending at {c.end}: the head holds "
                                  f"{self.max_len} positions")
+        for c in chunks:
+            self.kv_cache.reserve(c.slot, c.end)
         return self._forward(chunks)
 
     @torch.inference_mode()
     def _forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         cfg, w, cache = self.config, self.w, self.kv_cache
-        batch = ForwardBatch.build(chunks, cfg.queries_per_kv, self.device)
+        batch = ForwardBatch.build(chunks, cfg.queries_per_kv, cache)
         slots = torch.tensor([c.slot for c in chunks for _ in c.token_ids], device=self.device)  # [T]
         previous = (batch.positions - 1).clamp_min(0)  # [T]
         feature = cache.features[slots, previous]  # [T, hidden]
@@ -142,7 +144,7 @@ class Eagle3Model:
         qk = self.rope.apply(qkv[:, : q_size + kv_size].view(len(slots), -1, cfg.head_dim), batch.positions)
         v = qkv[:, q_size + kv_size :].view(len(slots), cfg.num_kv_heads, cfg.head_dim)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-        write_kv(cache.k[0], cache.v[0], k, v, batch.positions, batch.attn)
+        write_kv(cache.k[0], cache.v[0], k, v, batch.attn)
         hidden = feature + F.linear(attend(q, cache.k[0], cache.v[0], batch.attn), w.o)
         gate, up = F.linear(self._norm(hidden, w.post_norm), w.gate_up).chunk(2, dim=-1)
         hidden = hidden + F.linear(F.silu(gate) * up, w.down)  # [T, hidden]: the predicted features

@@ -1,25 +1,33 @@
-"""A preallocated KV cache with one slot per running sequence."""
+"""A paged KV cache: a pool of fixed-size blocks, and a block table per sequence slot."""
 from __future__ import annotations
 
 import torch
 
 from tandem.config import ModelConfig
 
+BLOCK_SIZE = 16  # positions per KV block, as in vLLM; the native decoder's K blocks are this wide
+
 
 class CacheFullError(RuntimeError):
-    """Every KV slot is taken."""
+    """Every KV slot, or every KV block, is taken."""
 
 
 class KVCache:
-    """Per-layer K and V tensors, one slot per sequence.
+    """Per-layer K and V tensors holding a pool of blocks; a slot is one sequence's block table.
 
-    V is [num_slots, num_kv_heads, positions, head_dim]. K has the same shape, or, with
-    `key_block` set (the native CPU decoder), [num_slots, num_kv_heads, positions / key_block,
-    head_dim, key_block]: blocks of positions stored transposed, so that the scores of a block are
-    key_block-wide vector operations. `positions` is max_len rounded up to whole blocks.
+    V is [kv_heads, pool positions, head_dim], where pool position b * BLOCK_SIZE + i is entry i of
+    block b. K has the same shape, or, with `transposed_keys` (the native CPU decoder), [kv_heads,
+    blocks, head_dim, BLOCK_SIZE]: each block stored transposed, so that its scores are
+    BLOCK_SIZE-wide vector operations. Heads come first so that a run of consecutive blocks is a
+    view of [kv_heads, positions, head_dim], as a slot of a contiguous cache would be.
 
-    With `spare_slot`, the tensors hold one more slot, `padding_slot`, that allocate() never hands
-    out: the padding rows of static-shape steps (static_steps.py) write their K/V there.
+    `block_tables` [slots, max_blocks] int32 maps a slot's position p to block
+    block_tables[slot, p // BLOCK_SIZE]; every attention path reads K and V through it. A slot
+    gets blocks as it grows (`reserve`); freeing it returns the blocks past what it keeps.
+
+    With `spare_slot`, there is one more slot, `padding_slot`, that allocate() never hands out,
+    with one block of its own: the padding rows of static-shape steps (static_steps.py) write their
+    K/V there.
 
     A sequence's length lives with its owner (the scheduler), not here: rolling back rejected
     positions only shortens that length, and later writes overwrite the stale entries.
@@ -32,23 +40,34 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device,
-        key_block: int | None = None,
+        transposed_keys: bool = False,
         spare_slot: bool = False,
+        num_blocks: int | None = None,
     ):
-        self.positions = max_len if key_block is None else -(-max_len // key_block) * key_block
+        """num_blocks: the pool's size; by default every slot can reach max_len at once."""
+        self.max_blocks = -(-max_len // BLOCK_SIZE)  # per slot
+        self.positions = self.max_blocks * BLOCK_SIZE  # max_len rounded up to whole blocks
+        self.num_blocks = num_blocks if num_blocks is not None else num_slots * self.max_blocks
         self.padding_slot = num_slots if spare_slot else None
-        slots = num_slots + (1 if spare_slot else 0)
-        v_shape = (slots, config.num_kv_heads, self.positions, config.head_dim)
-        k_shape = v_shape if key_block is None else (
-            slots, config.num_kv_heads, self.positions // key_block, config.head_dim, key_block)
+        pool = self.num_blocks + (1 if spare_slot else 0)
+        v_shape = (config.num_kv_heads, pool * BLOCK_SIZE, config.head_dim)
+        k_shape = (config.num_kv_heads, pool, config.head_dim, BLOCK_SIZE) if transposed_keys else v_shape
         # Zeros, not empty: masked-out entries are multiplied by a zero weight, and 0 * NaN = NaN.
         self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.key_block = key_block
+        self.transposed_keys = transposed_keys
         self.num_slots = num_slots
         self.max_len = max_len
         self._bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
         self._free = list(range(num_slots - 1, -1, -1))
+        self._free_blocks = list(range(self.num_blocks - 1, -1, -1))
+        slots = num_slots + (1 if spare_slot else 0)
+        self._tables: list[list[int]] = [[] for _ in range(slots)]
+        # Unused entries point at block 0: attention never reads past a query's position.
+        self.block_tables = torch.zeros(slots, self.max_blocks, dtype=torch.int32, device=device)
+        if spare_slot:
+            self._tables[num_slots] = [self.num_blocks]
+            self.block_tables[num_slots, 0] = self.num_blocks
 
     @property
     def num_free_slots(self) -> int:
@@ -58,6 +77,18 @@ class KVCache:
     def free_slots(self) -> list[int]:
         """The free slots, the one allocate() hands out next last."""
         return list(self._free)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """The share of the pool's blocks held by allocated slots (a freed slot's kept blocks are not
+        counted: they hold cached prefixes that give way when blocks run short)."""
+        free = set(self._free)
+        held = sum(len(table) for slot, table in enumerate(self._tables[: self.num_slots]) if slot not in free)
+        return held / self.num_blocks
 
     def allocate(self) -> int:
         if not self._free:
@@ -71,42 +102,68 @@ class KVCache:
         self._free.remove(slot)
         return slot
 
-    def free(self, slot: int) -> None:
+    def free(self, slot: int, keep: int = 0) -> None:
+        """Free the slot; it keeps the blocks that hold its first `keep` positions, the rest go back."""
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"slot {slot} is not allocated")
         self._free.append(slot)
+        table = self._tables[slot]
+        kept = -(-keep // BLOCK_SIZE)
+        self._free_blocks.extend(reversed(table[kept:]))
+        del table[kept:]
 
     def bytes_per_token(self) -> int:
         return self._bytes_per_token
 
+    def reserve(self, slot: int, length: int) -> None:
+        """Give the slot blocks for positions [0, length)."""
+        if length > self.positions:
+            raise ValueError(f"{length} positions do not fit a slot of {self.positions}")
+        table = self._tables[slot]
+        needed = -(-length // BLOCK_SIZE) - len(table)
+        if needed <= 0:
+            return
+        if needed > len(self._free_blocks):
+            raise CacheFullError(f"{needed} KV blocks needed, {len(self._free_blocks)} free")
+        new = [self._free_blocks.pop() for _ in range(needed)]
+        self.block_tables[slot, len(table) : len(table) + needed] = torch.tensor(new, dtype=torch.int32)
+        table.extend(new)
+
+    def block_table(self, slot: int) -> list[int]:
+        """The slot's blocks, in position order."""
+        return list(self._tables[slot])
+
+    def pool_positions(self, slot: int, start: int, end: int) -> list[int]:
+        """Where positions [start, end) of the slot sit in the pool (they must be reserved)."""
+        table = self._tables[slot]
+        return [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+
+    def contiguous_start(self, slot: int, length: int) -> int | None:
+        """The pool position of the slot's position 0 when positions [0, length) are one run of
+        consecutive blocks (then K/V can be read as a view), else None."""
+        table = self._tables[slot][: -(-length // BLOCK_SIZE)]
+        if not table or table != list(range(table[0], table[0] + len(table))):
+            return None
+        return table[0] * BLOCK_SIZE
+
     def copy_positions(self, source: int, dest: int, start: int, end: int) -> None:
         """Copies the K and V of positions [start, end) of slot `source` into slot `dest`, in every layer.
 
-        Lets one sequence's context continue in several slots (a drafter's pre-drafted outcomes)
-        without recomputing the prefix they share. Positions outside the range are left as they are.
+        Lets one sequence's context continue in several slots (a drafter's pre-drafted outcomes,
+        the samples of one prompt) without recomputing the prefix they share. Positions outside the
+        range are left as they are.
         """
         if source == dest or not (0 <= source < self.num_slots and 0 <= dest < self.num_slots):
             raise ValueError(f"cannot copy slot {source} to slot {dest} of {self.num_slots}")
         if not 0 <= start <= end <= self.max_len:
             raise ValueError(f"positions [{start}, {end}) are not inside [0, {self.max_len})")
+        self.reserve(dest, end)
+        device = self.v[0].device
+        src = torch.tensor(self.pool_positions(source, start, end), dtype=torch.long, device=device)
+        dst = torch.tensor(self.pool_positions(dest, start, end), dtype=torch.long, device=device)
         for k, v in zip(self.k, self.v):
-            v[dest, :, start:end] = v[source, :, start:end]
-            if self.key_block is None:
-                k[dest, :, start:end] = k[source, :, start:end]
+            v[:, dst] = v[:, src]
+            if self.transposed_keys:
+                k[:, dst // BLOCK_SIZE, :, dst % BLOCK_SIZE] = k[:, src // BLOCK_SIZE, :, src % BLOCK_SIZE]
             else:
-                _copy_blocked(k, source, dest, start, end, self.key_block)
-
-
-def _copy_blocked(k: torch.Tensor, source: int, dest: int, start: int, end: int, block: int) -> None:
-    """Positions [start, end) of a blocked K [slots, heads, blocks, head_dim, block]: at most three copies,
-    the partial block at each end and the whole blocks between them."""
-    first_whole, end_whole = -(-start // block), end // block
-    if first_whole > end_whole:  # the range lies inside one block
-        b, lo, hi = start // block, start % block, end - start // block * block
-        k[dest, :, b, :, lo:hi] = k[source, :, b, :, lo:hi]
-        return
-    if start % block:
-        k[dest, :, first_whole - 1, :, start % block :] = k[source, :, first_whole - 1, :, start % block :]
-    k[dest, :, first_whole:end_whole] = k[source, :, first_whole:end_whole]
-    if end % block:
-        k[dest, :, end_whole, :, : end % block] = k[source, :, end_whole, :, : end % block]
+                k[:, dst] = k[:, src]

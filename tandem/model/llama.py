@@ -57,7 +57,7 @@ class ModelWeights:
 
 
 class LlamaModel:
-    """Runs mixed batches of prefill, decode and verify chunks against a slot KV cache.
+    """Runs mixed batches of prefill, decode and verify chunks against a paged KV cache.
 
     The work is done by the native CPU decoder (csrc/decoder.c) or by the PyTorch decoder, the
     reference and the CUDA path; `backend` in build_model chooses, and `cuda_graphs` whether the
@@ -81,7 +81,8 @@ class LlamaModel:
         return isinstance(self.decoder, NativeDecoder)
 
     def build_batch(self, chunks: list[SequenceChunk]):
-        """The decoder's batch for these chunks (opaque to callers: pass it to forward)."""
+        """The decoder's batch for these chunks (opaque to callers: pass it to forward), their KV
+        blocks reserved (CacheFullError when the pool has too few)."""
         if not chunks or any(not c.token_ids for c in chunks):
             raise ValueError("a forward batch needs at least one chunk, and no empty chunk")
         for c in chunks:
@@ -89,6 +90,8 @@ class LlamaModel:
                 raise ValueError(f"num_logits={c.num_logits} must be in [1, {len(c.token_ids)}]")
             if c.end > self.max_len:
                 raise ValueError(f"sequence would reach {c.end} tokens; the cache holds {self.max_len}")
+        for c in chunks:
+            self.kv_cache.reserve(c.slot, c.end)
         if self.native:
             return NativeBatch.build(chunks)
         return self.decoder.build_batch(chunks)
@@ -157,7 +160,7 @@ def build_model(
         raise ValueError(f"the native CPU decoder can't run this model on {device} in {dtype}")
     weights = weights.to(dtype, device)
     cache = KVCache(config, num_slots=num_slots, max_len=max_model_len, dtype=dtype, device=device,
-                    key_block=native.KEY_BLOCK if use_native else None, spare_slot=static_steps)
+                    transposed_keys=use_native, spare_slot=static_steps)
     inv_freq = weights.rope_inv_freq if weights.rope_inv_freq is not None else rope_inv_freq(config)
     if use_native:
         rope = RotaryEmbedding(inv_freq, cache.positions, torch.float32, device)

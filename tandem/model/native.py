@@ -66,7 +66,8 @@ class CLayer(ctypes.Structure):
 class CModel(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int), ("intermediate", ctypes.c_int), ("num_layers", ctypes.c_int),
                 ("num_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("max_len", ctypes.c_int), ("weights_bf16", ctypes.c_int), ("kv_bf16", ctypes.c_int),
+                ("max_len", ctypes.c_int), ("pool_positions", ctypes.c_int64), ("block_tables", ctypes.c_void_p),
+                ("weights_bf16", ctypes.c_int), ("kv_bf16", ctypes.c_int),
                 ("eps", ctypes.c_float), ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
                 ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("lm_head", PackedMatrix),
                 ("layers", ctypes.POINTER(CLayer))]

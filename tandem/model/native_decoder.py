@@ -66,7 +66,8 @@ class NativeDecoder:
         self._model = native.CModel(
             hidden=config.hidden_size, intermediate=config.intermediate_size, num_layers=config.num_layers,
             num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-            max_len=kv_cache.positions, weights_bf16=int(self.bf16),
+            max_len=kv_cache.positions, pool_positions=kv_cache.v[0].shape[1],
+            block_tables=self._ptr(kv_cache.block_tables), weights_bf16=int(self.bf16),
             kv_bf16=int(kv_cache.k[0].dtype == torch.bfloat16), eps=config.rms_norm_eps,
             rope_cos=self._ptr(rope_cos.float().contiguous()), rope_sin=self._ptr(rope_sin.float().contiguous()),
             embed=None if tied else self._ptr(weights.embed.contiguous()),

@@ -1,14 +1,15 @@
-"""Attention of decode and verify queries over the slot KV cache, with no shape that moves.
+"""Attention of decode and verify queries over the paged KV cache, with no shape that moves.
 
 B sequences bring T new tokens each. Query (b, t) sits at positions[b, t] and sees the keys of
 its sequence's slot at positions 0..positions[b, t] (its own chunk's keys are written before
-attention runs). How far each query reads is a value in a tensor, not a shape, so the same launch
-serves every step: what CUDA graphs need.
+attention runs); the slot's block table says where each position sits in the pool (kv_cache.py).
+How far each query reads is a value in a tensor, not a shape, so the same launch serves every
+step: what CUDA graphs need.
 
 The Triton kernel runs one program per (sequence, query token, head). It reads K and V in place
-from the sequence's slot (no gather of slots into a batch), loops over blocks of keys up to the
-query's position with an online softmax in fp32, and the query heads that share a KV head (GQA)
-read the same K/V rows. CUDA tensors run the kernel, CPU tensors the PyTorch reference; the tests
+through the block table (no gather into a batch), loops over tiles of keys up to the query's
+position with an online softmax in fp32, and the query heads that share a KV head (GQA) read the
+same K/V rows. CUDA tensors run the kernel, CPU tensors the PyTorch reference; the tests
 compare the two under TRITON_INTERPRET on CPU and compiled on CUDA.
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from tandem.model.kv_cache import BLOCK_SIZE
 
 try:
     import triton
@@ -37,22 +40,24 @@ def kernel_supports(head_dim: int) -> bool:
 
 def slot_attention(
     q: torch.Tensor,  # [B, T, heads, head_dim]
-    k_cache: torch.Tensor,  # [slots, kv_heads, max_len, head_dim]
-    v_cache: torch.Tensor,  # [slots, kv_heads, max_len, head_dim]
+    k_cache: torch.Tensor,  # [kv_heads, pool positions, head_dim]
+    v_cache: torch.Tensor,  # [kv_heads, pool positions, head_dim]
+    block_tables: torch.Tensor,  # [slots, max_blocks] int32
     slot_ids: torch.Tensor,  # [B] int64
-    positions: torch.Tensor,  # [B, T] int64, each < max_len
+    positions: torch.Tensor,  # [B, T] int64, each < max_blocks * BLOCK_SIZE
 ) -> torch.Tensor:
-    """Returns [B, T, heads, head_dim], contiguous, in q's dtype. Positions are not checked (that would sync)."""
-    check_slot_attention_args(q, k_cache, v_cache, slot_ids, positions)
+    """Returns [B, T, heads, head_dim], contiguous, in q's dtype. Positions and tables are not checked
+    (that would sync)."""
+    check_slot_attention_args(q, k_cache, v_cache, block_tables, slot_ids, positions)
     if q.is_cuda:
-        return slot_attention_triton(q, k_cache, v_cache, slot_ids, positions)
-    return slot_attention_reference(q, k_cache, v_cache, slot_ids, positions)
+        return slot_attention_triton(q, k_cache, v_cache, block_tables, slot_ids, positions)
+    return slot_attention_reference(q, k_cache, v_cache, block_tables, slot_ids, positions)
 
 
-def check_slot_attention_args(q, k_cache, v_cache, slot_ids, positions) -> None:
+def check_slot_attention_args(q, k_cache, v_cache, block_tables, slot_ids, positions) -> None:
     """Shapes, dtypes, devices and layouts: metadata only, so it runs inside a CUDA graph capture."""
     batch, num_new, heads, head_dim = q.shape
-    slots, kv_heads, _, cache_dim = k_cache.shape
+    kv_heads, _, cache_dim = k_cache.shape
     problems = []
     if k_cache.shape != v_cache.shape or cache_dim != head_dim:
         problems.append(f"K/V caches {list(k_cache.shape)}, {list(v_cache.shape)} for head_dim {head_dim}")
@@ -72,19 +77,25 @@ def check_slot_attention_args(q, k_cache, v_cache, slot_ids, positions) -> None:
     index_tensors = (slot_ids, positions)
     if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index_tensors):
         problems.append("slot_ids and positions must be contiguous int64")
-    if len({t.device for t in (q, k_cache, v_cache, slot_ids, positions)}) != 1:
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+        problems.append(f"block_tables must be a contiguous int32 [slots, max_blocks], not {block_tables.dtype} "
+                        f"{list(block_tables.shape)}")
+    if len({t.device for t in (q, k_cache, v_cache, block_tables, slot_ids, positions)}) != 1:
         problems.append("all tensors must be on one device")
     if problems:
         raise ValueError("slot_attention: " + "; ".join(problems))
 
 
-def slot_attention_reference(q, k_cache, v_cache, slot_ids, positions) -> torch.Tensor:
+def slot_attention_reference(q, k_cache, v_cache, block_tables, slot_ids, positions) -> torch.Tensor:
     """PyTorch reference of `slot_attention`: fp32 scores over whole slots, masked past each query."""
     batch, num_new, heads, head_dim = q.shape
-    kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    kv_heads = k_cache.shape[0]
     group = heads // kv_heads
-    k = k_cache.index_select(0, slot_ids).float()  # [B, kv_heads, max_len, head_dim]
-    v = v_cache.index_select(0, slot_ids).float()
+    blocks = block_tables.index_select(0, slot_ids).long()  # [B, max_blocks]
+    pool = (blocks[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=q.device)).flatten(1)  # [B, max_len]
+    max_len = pool.shape[1]
+    k = k_cache[:, pool].transpose(0, 1).float()  # [B, kv_heads, max_len, head_dim]
+    v = v_cache[:, pool].transpose(0, 1).float()
     queries = q.float().view(batch, num_new, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [B, kv, G, T, D]
     scores = queries @ k.unsqueeze(2).transpose(-1, -2) / head_dim**0.5  # [B, kv_heads, G, T, max_len]
     visible = torch.arange(max_len, device=q.device) <= positions.unsqueeze(-1)  # [B, T, max_len]
@@ -93,7 +104,7 @@ def slot_attention_reference(q, k_cache, v_cache, slot_ids, positions) -> torch.
     return out.permute(0, 3, 1, 2, 4).reshape(batch, num_new, heads, head_dim).to(q.dtype).contiguous()
 
 
-def slot_attention_triton(q, k_cache, v_cache, slot_ids, positions) -> torch.Tensor:
+def slot_attention_triton(q, k_cache, v_cache, block_tables, slot_ids, positions) -> torch.Tensor:
     """Launch `_slot_attention_kernel`, one program per (query row, head)."""
     if not KERNEL_AVAILABLE:
         raise RuntimeError("triton is not installed: slot attention on CUDA needs it (pip install 'triton>=3.6')")
@@ -101,10 +112,10 @@ def slot_attention_triton(q, k_cache, v_cache, slot_ids, positions) -> torch.Ten
     out = torch.empty(batch, num_new, heads, head_dim, dtype=q.dtype, device=q.device)
     grid = (batch * num_new, heads)
     _slot_attention_kernel[grid](
-        out, q, k_cache, v_cache, slot_ids, positions,
-        num_new, heads // k_cache.shape[1], head_dim**-0.5,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
-        HEAD_DIM=head_dim, BLOCK_N=BLOCK_KEYS,
+        out, q, k_cache, v_cache, block_tables, slot_ids, positions,
+        num_new, heads // k_cache.shape[0], head_dim**-0.5,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), block_tables.stride(0),
+        HEAD_DIM=head_dim, BLOCK_N=BLOCK_KEYS, PAGE=BLOCK_SIZE,
     )
     return out
 
@@ -115,10 +126,10 @@ def _jit(fn):
 
 @_jit
 def _slot_attention_kernel(
-    out_ptr, q_ptr, k_ptr, v_ptr, slot_ids_ptr, positions_ptr,
+    out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, slot_ids_ptr, positions_ptr,
     num_new, group, scale,
-    q_batch_stride, q_token_stride, q_head_stride, cache_slot_stride, cache_head_stride,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_batch_stride, q_token_stride, q_head_stride, cache_head_stride, table_stride,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
 ):
     """out[row, head] = softmax(q k^T * scale) v over keys 0..positions[row] of the row's slot."""
     row = tl.program_id(0)  # b * num_new + t
@@ -129,16 +140,19 @@ def _slot_attention_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q_offset = batch.to(tl.int64) * q_batch_stride + (row % num_new) * q_token_stride + head * q_head_stride
     q = tl.load(q_ptr + q_offset + dims).to(tl.float32) * scale
-    slot_offset = slot * cache_slot_stride + (head // group) * cache_head_stride
-    k_rows = k_ptr + slot_offset
-    v_rows = v_ptr + slot_offset
+    head_offset = (head // group).to(tl.int64) * cache_head_stride
+    k_rows = k_ptr + head_offset
+    v_rows = v_ptr + head_offset
+    table = tables_ptr + slot * table_stride
     running_max = tl.full((), float("-inf"), tl.float32)
     running_sum = tl.full((), 0.0, tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
     for start in range(0, last_key + 1, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         visible = keys <= last_key
-        offsets = keys[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_N, HEAD_DIM]
+        blocks = tl.load(table + keys // PAGE, mask=visible, other=0).to(tl.int64)  # [BLOCK_N]
+        pool = blocks * PAGE + keys % PAGE
+        offsets = pool[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_N, HEAD_DIM]
         k = tl.load(k_rows + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
         scores = tl.where(visible, tl.sum(k * q[None, :], axis=1), float("-inf"))  # [BLOCK_N]
         new_max = tl.maximum(running_max, tl.max(scores, axis=0))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from tandem.config import ModelConfig
 from tandem.model.attention import attend, write_kv
 from tandem.model.batch import ForwardBatch, SequenceChunk
-from tandem.model.kv_cache import KVCache
+from tandem.model.kv_cache import BLOCK_SIZE, KVCache
 from tandem.model.rope import RotaryEmbedding
 from tandem.model.slot_attention import slot_attention
 from tandem.model.static_steps import StaticStepRunner, UniformBatch
@@ -53,7 +53,7 @@ class TorchDecoder:
     def build_batch(self, chunks: list[SequenceChunk]) -> ForwardBatch | UniformBatch:
         if self.static_steps is not None and self.static_steps.accepts(chunks):
             return UniformBatch(chunks, len(chunks[0].token_ids))
-        return ForwardBatch.build(chunks, self.config.queries_per_kv, self.device)
+        return ForwardBatch.build(chunks, self.config.queries_per_kv, self.kv_cache)
 
     def forward(self, batch: ForwardBatch | UniformBatch, want_hidden: bool = False,
                 capture_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +61,7 @@ class TorchDecoder:
         if isinstance(batch, UniformBatch):
             if not want_hidden and not capture_layers:
                 return self.static_steps.run(batch)
-            batch = ForwardBatch.build(batch.chunks, self.config.queries_per_kv, self.device)
+            batch = ForwardBatch.build(batch.chunks, self.config.queries_per_kv, self.kv_cache)
         hidden = F.embedding(batch.input_ids, self._embed)  # [T, hidden]
         captured = []
         for index, layer in enumerate(self._layers):
@@ -95,22 +95,24 @@ class TorchDecoder:
         batch, num_new = input_ids.shape
         cfg = self.config
         flat_positions = positions.reshape(-1)  # [B*T]
-        token_slots = slot_ids[:, None].expand(batch, num_new).reshape(-1)  # [B*T]
+        tables = self.kv_cache.block_tables
+        blocks = tables[slot_ids[:, None], positions // BLOCK_SIZE].long()  # [B, T]
+        pool_positions = (blocks * BLOCK_SIZE + positions % BLOCK_SIZE).reshape(-1)  # [B*T]
         hidden = F.embedding(input_ids.reshape(-1), self._embed)  # [B*T, hidden]
         for index, layer in enumerate(self._layers):
             q, k, v = self._attention_inputs(layer, hidden, flat_positions)
             k_cache, v_cache = self.kv_cache.k[index], self.kv_cache.v[index]
-            k_cache[token_slots, :, flat_positions] = k
-            v_cache[token_slots, :, flat_positions] = v
+            k_cache[:, pool_positions] = k.transpose(0, 1)
+            v_cache[:, pool_positions] = v.transpose(0, 1)
             queries = q.view(batch, num_new, cfg.num_heads, cfg.head_dim)
-            attn = slot_attention(queries, k_cache, v_cache, slot_ids, positions)  # [B, T, heads, head_dim]
+            attn = slot_attention(queries, k_cache, v_cache, tables, slot_ids, positions)  # [B, T, heads, head_dim]
             hidden = self._layer_output(layer, hidden, attn.view(batch * num_new, -1))
         return self.logits(self._norm(hidden, self._final_norm))
 
     def _layer(self, index: int, w: _Layer, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self._attention_inputs(w, hidden, batch.positions)
         k_cache, v_cache = self.kv_cache.k[index], self.kv_cache.v[index]
-        write_kv(k_cache, v_cache, k, v, batch.positions, batch.attn)
+        write_kv(k_cache, v_cache, k, v, batch.attn)
         attn = attend(q, k_cache, v_cache, batch.attn)  # [T, heads * head_dim]
         return self._layer_output(w, hidden, attn)
 

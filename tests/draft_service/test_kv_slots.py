@@ -8,16 +8,23 @@ from tandem.model.kv_cache import KVCache
 from tandem.model.random_weights import SHAPES
 
 
-def _table(num_slots: int) -> SlotTable:
-    return SlotTable(KVCache(SHAPES["tiny"], num_slots, 32, torch.float32, torch.device("cpu")))
+def _table(num_slots: int) -> tuple[SlotTable, KVCache]:
+    cache = KVCache(SHAPES["tiny"], num_slots, 32, torch.float32, torch.device("cpu"))
+    return SlotTable(cache), cache
+
+
+def _ran(table: SlotTable, cache: KVCache, key: tuple[int, int], tokens: list[int]) -> None:
+    """The sequence's slot holds the KV of these tokens, as if the model had run them."""
+    table.own(key).cached = tokens
+    cache.reserve(table.own(key).slot, len(tokens))
 
 
 def test_a_closed_sequences_own_slot_outlives_its_scratch_slots_for_the_next_turn():
     """With every free slot keeping something, an Open evicts the slot kept longest: the closed
     sequence's scratch slot, not its own, which holds the whole history."""
-    table = _table(2)
+    table, cache = _table(2)
     table.open((1, 1))
-    table.own((1, 1)).cached = [1, 2, 3, 4]
+    _ran(table, cache, (1, 1), [1, 2, 3, 4])
     scratch = table.scratch_for((1, 1), [1, 2, 3, 9])
     assert scratch.cached == [1, 2, 3]  # copied from the own slot, up to the fed last token
     table.close((1, 1))
@@ -29,12 +36,12 @@ def test_a_closed_sequences_own_slot_outlives_its_scratch_slots_for_the_next_tur
 def test_a_scratch_slot_leaves_another_conversations_history_alone():
     """A pre-draft copies its prefix from its own sequence's slot: it takes a slot that keeps
     nothing, even when a kept history shares its first tokens."""
-    table = _table(4)
+    table, cache = _table(4)
     table.open((1, 1))
-    table.own((1, 1)).cached = [5, 6, 7, 8]
+    _ran(table, cache, (1, 1), [5, 6, 7, 8])
     table.close((1, 1))
     table.open((1, 2))
-    table.own((1, 2)).cached = [5, 6, 1]  # the same system prompt, another conversation
+    _ran(table, cache, (1, 2), [5, 6, 1])  # the same system prompt, another conversation
     table.scratch_for((1, 2), [5, 6, 1, 2])
     table.open((1, 3))
     table.adopt((1, 3), [5, 6, 7, 8, 9])  # the first conversation's next turn

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tandem.model.batch import SequenceChunk
-from tandem.model.kv_cache import KVCache
+from tandem.model.kv_cache import BLOCK_SIZE, CacheFullError, KVCache
 from tandem.model.llama import build_model
 from tandem.model.random_weights import SHAPES, random_weights
 
@@ -73,32 +73,64 @@ def test_chunk_past_the_cache_is_refused(model):
 
 
 def _positions(cache: KVCache, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one slot as [heads, positions, head_dim], whatever the K layout."""
-    k, v = cache.k[layer][slot], cache.v[layer][slot]
-    if cache.key_block is not None:  # [heads, blocks, head_dim, block] -> [heads, positions, head_dim]
-        k = k.permute(0, 1, 3, 2).reshape(k.shape[0], -1, k.shape[2])
-    return k, v
+    """K and V of a slot's reserved positions as [heads, positions, head_dim], read through its block
+    table whatever the K layout."""
+    pool = torch.tensor(cache.pool_positions(slot, 0, len(cache.block_table(slot)) * BLOCK_SIZE))
+    k, v = cache.k[layer], cache.v[layer][:, pool]
+    if cache.transposed_keys:  # [heads, blocks, head_dim, block] -> [positions, heads, head_dim]
+        return k[:, pool // BLOCK_SIZE, :, pool % BLOCK_SIZE].transpose(0, 1), v
+    return k[:, pool], v
 
 
-@pytest.mark.parametrize("key_block", [None, 4], ids=["plain", "blocked"])
+def _scrambled(transposed_keys: bool, num_blocks: int | None = None) -> KVCache:
+    """Three slots of 20 positions whose blocks interleave (slot 2 first, then 0, 1, 0, 2, 1)."""
+    cache = KVCache(SHAPES["tiny"], num_slots=3, max_len=20, dtype=torch.float32, device=torch.device("cpu"),
+                    transposed_keys=transposed_keys, num_blocks=num_blocks)
+    for slot, length in ((2, 10), (0, 5), (1, 16), (0, 20), (2, 20), (1, 20)):
+        cache.reserve(slot, length)
+    return cache
+
+
+@pytest.mark.parametrize("transposed_keys", [False, True], ids=["plain", "transposed"])
 @pytest.mark.parametrize("start, end", [(0, 13), (0, 0), (3, 10), (5, 17), (8, 16), (2, 3), (0, 20)])
-def test_copy_positions_copies_exactly_that_range(key_block, start, end):
-    config = SHAPES["tiny"]
-    cache = KVCache(config, num_slots=3, max_len=20, dtype=torch.float32, device=torch.device("cpu"),
-                    key_block=key_block)
+def test_copy_positions_copies_exactly_that_range(transposed_keys, start, end):
+    cache = _scrambled(transposed_keys)
     generator = torch.Generator().manual_seed(0)
     for tensor in cache.k + cache.v:
         tensor.copy_(torch.randn(tensor.shape, generator=generator))
-    before = [_positions(cache, layer, 2) for layer in range(config.num_layers)]
+    layers = range(SHAPES["tiny"].num_layers)
+    before = [_positions(cache, layer, 2) for layer in layers]
     other = [t.clone() for t in _positions(cache, 0, 1)]
     cache.copy_positions(source=0, dest=2, start=start, end=end)
     inside = torch.zeros(cache.positions, dtype=torch.bool)
     inside[start:end] = True
-    for layer in range(config.num_layers):
+    for layer in layers:
         for source, copied, old in zip(_positions(cache, layer, 0), _positions(cache, layer, 2), before[layer]):
             assert torch.equal(copied[:, inside], source[:, inside])
             assert torch.equal(copied[:, ~inside], old[:, ~inside])
     assert all(torch.equal(t, old) for t, old in zip(_positions(cache, 0, 1), other))
+
+
+def test_blocks_come_from_the_pool_and_go_back_past_what_a_freed_slot_keeps():
+    cache = KVCache(SHAPES["tiny"], num_slots=2, max_len=64, dtype=torch.float32, device=torch.device("cpu"),
+                    num_blocks=5)
+    slot = cache.allocate()
+    cache.reserve(slot, 1)
+    cache.reserve(slot, 16)  # still one block
+    assert cache.num_free_blocks == 4
+    cache.reserve(slot, 40)
+    assert cache.num_free_blocks == 2 and cache.block_tables[slot, :3].tolist() == cache.block_table(slot)
+    assert cache.usage == 3 / 5
+    other = cache.allocate()
+    with pytest.raises(CacheFullError, match="3 KV blocks needed, 2 free"):
+        cache.reserve(other, 48)
+    assert cache.num_free_blocks == 2  # a refused reserve takes nothing
+    cache.free(slot, keep=17)  # positions 0..16: two blocks stay with the slot
+    assert cache.num_free_blocks == 3 and len(cache.block_table(slot)) == 2
+    cache.reserve(other, 48)
+    assert cache.num_free_blocks == 0 and cache.usage == 3 / 5  # the freed slot's kept blocks are not in use
+    with pytest.raises(ValueError, match="do not fit"):
+        cache.reserve(other, 65)
 
 
 def test_copy_positions_refuses_bad_slots_and_ranges():
@@ -117,3 +149,18 @@ def test_a_copied_prefix_continues_like_the_original(model):
     original = model.run([SequenceChunk(slot=0, start=len(prefix), token_ids=more, num_logits=5)])
     copy = model.run([SequenceChunk(slot=2, start=len(prefix), token_ids=more, num_logits=5)])
     assert torch.equal(copy, original)
+
+
+def test_interleaved_blocks_read_like_contiguous_ones(model):
+    """Two sequences decoding in one batch take blocks in turn, so neither's blocks are consecutive:
+    every path reads through the block tables and gives each one's logits as a fresh slot does."""
+    a, b = _tokens(40, 11), _tokens(40, 12)
+    model.run([SequenceChunk(slot=0, start=0, token_ids=a[:10])])
+    model.run([SequenceChunk(slot=1, start=0, token_ids=b[:10])])
+    steps = [model.run([SequenceChunk(slot=0, start=i, token_ids=[a[i]]), SequenceChunk(slot=1, start=i, token_ids=[b[i]])])
+             for i in range(10, 40)]
+    assert model.kv_cache.contiguous_start(0, 40) is None
+    torch.testing.assert_close(torch.stack([s[0] for s in steps]), _full(model, a)[10:], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(torch.stack([s[1] for s in steps]), _full(model, b, slot=2)[10:], atol=ATOL, rtol=ATOL)
+    alone = model.run([SequenceChunk(slot=0, start=39, token_ids=[a[39]])])  # one sequence, scattered blocks
+    torch.testing.assert_close(alone[0], steps[-1][0], atol=ATOL, rtol=ATOL)

@@ -10,7 +10,7 @@ import torch
 
 from tandem.model import torch_decoder
 from tandem.model.batch import ForwardBatch, SequenceChunk
-from tandem.model.kv_cache import CacheFullError
+from tandem.model.kv_cache import BLOCK_SIZE, CacheFullError
 from tandem.model.llama import LlamaModel, build_model
 from tandem.model.random_weights import SHAPES, random_weights
 from tandem.model.slot_attention import INTERPRETED, slot_attention_triton
@@ -39,10 +39,9 @@ def _both(static: LlamaModel, dynamic: LlamaModel, chunks: list[SequenceChunk]) 
 
 
 def _assert_same_real_slots(static: LlamaModel, dynamic: LlamaModel) -> None:
-    """Every real slot's K/V equal: padding rows wrote only the spare slot."""
-    real = dynamic.kv_cache.num_slots
+    """Every real block's K/V equal: padding rows wrote only the spare slot's block, past the pool."""
     for mine, theirs in zip(static.kv_cache.k + static.kv_cache.v, dynamic.kv_cache.k + dynamic.kv_cache.v):
-        torch.testing.assert_close(mine[:real], theirs, atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(mine[:, : theirs.shape[1]], theirs, atol=ATOL, rtol=ATOL)
 
 
 def _prefill(static: LlamaModel, dynamic: LlamaModel, lengths: dict[int, int]) -> dict[int, list[int]]:
@@ -129,7 +128,8 @@ def test_static_steps_through_the_triton_kernel_equal_the_dynamic_path(monkeypat
 def test_the_spare_slot_is_never_handed_out():
     static, _ = _pair("tiny", num_slots=3)
     cache = static.kv_cache
-    assert cache.padding_slot == 3 and cache.k[0].shape[0] == 4
+    assert cache.padding_slot == 3 and cache.block_table(3) == [cache.num_blocks]
+    assert cache.k[0].shape[1] == (cache.num_blocks + 1) * BLOCK_SIZE
     assert sorted(cache.allocate() for _ in range(3)) == [0, 1, 2]
     with pytest.raises(CacheFullError):
         cache.allocate()

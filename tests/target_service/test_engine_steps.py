@@ -22,6 +22,8 @@ from target_service.speculation import speculation_policy
 from target_service.speculator import Speculator
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence, SequenceStatus
 from target_service.model_runner import PrefillItem, Verified, VerifyItem
+from tandem.model.kv_cache import KVCache
+from tandem.model.random_weights import SHAPES
 from tandem.v1 import drafter_pb2
 
 PROMPT = (1, 2, 3)
@@ -41,31 +43,6 @@ class FakeTokenizer:
 
     def decode(self, ids, skip_special_tokens=False) -> str:
         return "".join(f"<{i}>" for i in ids)
-
-
-class FakeCache:
-    def __init__(self, num_slots: int, max_len: int):
-        self.max_len = max_len
-        self.num_slots = num_slots
-        self._free = list(range(num_slots))
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
-    @property
-    def free_slots(self) -> list[int]:
-        return list(reversed(self._free))  # the next allocated last, as KVCache lists them
-
-    def allocate(self) -> int:
-        return self._free.pop(0)
-
-    def take(self, slot: int) -> int:
-        self._free.remove(slot)
-        return slot
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
 
 
 class ScriptedRunner:
@@ -168,7 +145,7 @@ def make():
         target_config, metrics = TargetConfig(**config), TargetMetrics("test")
         speculator = Speculator(speculation_policy(target_config), metrics, vocab_size=VOCAB, max_len=max_len,
                                 connect=lambda peer: link)
-        scheduler = Scheduler(FakeCache(num_slots, max_len), target_config.max_num_seqs, target_config.max_queue,
+        scheduler = Scheduler(KVCache(SHAPES["tiny"], num_slots, max_len, torch.float32, torch.device("cpu")), target_config.max_num_seqs, target_config.max_queue,
                               metrics)
         engine = Engine(runner, scheduler, speculator, FakeTokenizer(), target_config, metrics)
         engines.append(engine)

@@ -1,5 +1,6 @@
 /* A Llama-family decoder forward pass for x86 CPUs: every layer of a batch of prefill, decode
-   and verify chunks in one call, on a persistent thread pool, over per-sequence KV slots.
+   and verify chunks in one call, on a persistent thread pool, over a paged KV cache: each
+   sequence slot reads and writes its K/V through its block table (tandem/model/kv_cache.py).
 
    Why not PyTorch ops: on this kind of CPU a decode step of a small model spends as long in the
    ~20 small ATen calls per layer (norms, RoPE, SDPA, SiLU, residuals) as in streaming weights.
@@ -21,7 +22,8 @@
 #include "pool.h"
 #include "vec.h"
 
-#define KEY_BLOCK 16     /* positions per K block: [head_dim, 16], so a block's scores are vector FMAs */
+#define KEY_BLOCK 16     /* positions per KV block (kv_cache.BLOCK_SIZE); K blocks are [head_dim, 16],
+                            so a block's scores are vector FMAs */
 
 typedef struct {
     const float* attn_norm;
@@ -31,13 +33,16 @@ typedef struct {
     const float* mlp_norm;
     PackedMatrix gate_up;   /* gate rows, then up rows */
     PackedMatrix down;
-    void* k_cache;          /* [slots, kv_heads, max_len / 16, head_dim, 16] */
-    void* v_cache;          /* [slots, kv_heads, max_len, head_dim] */
+    void* k_cache;          /* [kv_heads, pool blocks, head_dim, 16] */
+    void* v_cache;          /* [kv_heads, pool blocks * 16, head_dim] */
 } Layer;
 
 typedef struct {
     int hidden, intermediate, num_layers, num_heads, num_kv_heads, head_dim;
     int max_len;            /* positions per KV slot, a multiple of KEY_BLOCK */
+    int64_t pool_positions; /* pool blocks * KEY_BLOCK: one KV head's share of a layer's cache */
+    const int32_t* block_tables;  /* [slots, max_len / KEY_BLOCK]: a slot's position p is in block
+                                     block_tables[slot][p / KEY_BLOCK] */
     int weights_bf16, kv_bf16;
     float eps;
     const float* rope_cos;  /* [max_len, head_dim / 2] */
@@ -145,23 +150,28 @@ static inline vf cache_load(const Model* m, const void* cache, int64_t index) {
     return m->kv_bf16 ? v_load_bf16((const uint16_t*)cache + index) : v_load((const float*)cache + index);
 }
 
+static inline const int32_t* slot_table(const Model* m, int slot) {
+    return m->block_tables + (int64_t)slot * (m->max_len / KEY_BLOCK);
+}
+
 /* RoPE and the K/V writes of one chunk's tokens for KV head g, and RoPE of its G query heads. */
 static void write_chunk_kv(const Forward* f, const Layer* layer, int chunk, int g) {
     const Model* m = f->m;
     const Batch* b = f->b;
     int d = m->head_dim, heads = m->num_heads, group = heads / m->num_kv_heads;
     int ldq = ldy_of(&layer->qkv);
-    int64_t slot_kv = (int64_t)b->chunk_slots[chunk] * m->num_kv_heads + g;
-    int64_t k_base = slot_kv * m->max_len * d, v_base = slot_kv * m->max_len * d;
+    const int32_t* table = slot_table(m, b->chunk_slots[chunk]);
+    int64_t head_base = (int64_t)g * m->pool_positions * d;  /* the same in K and V */
     for (int t = b->chunk_starts[chunk]; t < b->chunk_starts[chunk + 1]; t++) {
         int64_t p = b->positions[t];
         float* row = f->qkv + (int64_t)t * ldq;
         float* k = row + (heads + g) * d;
         const float* v = row + (heads + m->num_kv_heads + g) * d;
         rope(m, k, p);
-        int64_t k_at = k_base + (p / KEY_BLOCK) * d * KEY_BLOCK + p % KEY_BLOCK;
+        int64_t block_at = head_base + (int64_t)table[p / KEY_BLOCK] * KEY_BLOCK * d;
+        int64_t k_at = block_at + p % KEY_BLOCK, v_at = block_at + (p % KEY_BLOCK) * d;
         for (int i = 0; i < d; i++) cache_put(m, layer->k_cache, k_at + (int64_t)i * KEY_BLOCK, k[i]);
-        for (int i = 0; i < d; i++) cache_put(m, layer->v_cache, v_base + p * d + i, v[i]);
+        for (int i = 0; i < d; i++) cache_put(m, layer->v_cache, v_at + i, v[i]);
         for (int h = g * group; h < (g + 1) * group; h++) rope(m, row + h * d, p);
     }
 }
@@ -172,8 +182,8 @@ static void write_chunk_kv(const Forward* f, const Layer* layer, int chunk, int 
    type are compile-time constants in the specializations below, so the accumulators stay in
    registers: NQ * D / 16 <= 24 vectors. */
 static inline __attribute__((always_inline)) void attend_queries(
-    const void* k_cache, const void* v_cache, const float* const* queries, const int64_t* pos,
-    float* scores, float* const* outs, const int d, const int nq, const int kv_bf16) {
+    const void* k_cache, const void* v_cache, const int32_t* table, const float* const* queries,
+    const int64_t* pos, float* scores, float* const* outs, const int d, const int nq, const int kv_bf16) {
     const float scale = 1.0f / sqrtf((float)d);
     int64_t last = 0;
     for (int q = 0; q < nq; q++) last = pos[q] > last ? pos[q] : last;
@@ -184,7 +194,7 @@ static inline __attribute__((always_inline)) void attend_queries(
         for (int h = 0; h < KEY_BLOCK / LANES; h++) {  /* one vector of keys at a time */
             vf s[nq];
             for (int q = 0; q < nq; q++) s[q] = v_splat(0.0f);
-            int64_t at = (int64_t)kb * d * KEY_BLOCK + h * LANES;
+            int64_t at = (int64_t)table[kb] * d * KEY_BLOCK + h * LANES;
             for (int i = 0; i < d; i++) {
                 vf k = kv_bf16 ? v_load_bf16((const uint16_t*)k_cache + at + i * KEY_BLOCK)
                                : v_load((const float*)k_cache + at + i * KEY_BLOCK);
@@ -214,22 +224,29 @@ static inline __attribute__((always_inline)) void attend_queries(
     vf acc[nq][d / LANES];
     for (int q = 0; q < nq; q++)
         for (int c = 0; c < d / LANES; c++) acc[q][c] = v_splat(0.0f);
-    for (int64_t j = 0; j <= last; j++) {
-        for (int c = 0; c < d / LANES; c++) {
-            vf v = kv_bf16 ? v_load_bf16((const uint16_t*)v_cache + j * d + c * LANES)
-                             : v_load((const float*)v_cache + j * d + c * LANES);
-            for (int q = 0; q < nq; q++) acc[q][c] += v_splat(scores[(int64_t)q * keys + j]) * v;
+    for (int kb = 0; kb < blocks; kb++) {
+        int64_t block_at = (int64_t)table[kb] * KEY_BLOCK * d;
+        int first = kb * KEY_BLOCK, count = last + 1 - first < KEY_BLOCK ? (int)(last + 1 - first) : KEY_BLOCK;
+        for (int i = 0; i < count; i++) {
+            int64_t at = block_at + (int64_t)i * d, j = first + i;
+            for (int c = 0; c < d / LANES; c++) {
+                vf v = kv_bf16 ? v_load_bf16((const uint16_t*)v_cache + at + c * LANES)
+                                 : v_load((const float*)v_cache + at + c * LANES);
+                for (int q = 0; q < nq; q++) acc[q][c] += v_splat(scores[(int64_t)q * keys + j]) * v;
+            }
         }
     }
     for (int q = 0; q < nq; q++)
         for (int c = 0; c < d / LANES; c++) v_store(outs[q] + c * LANES, acc[q][c] * v_splat(inv[q]));
 }
 
-typedef void (*attend_fn)(const void*, const void*, const float* const*, const int64_t*, float*, float* const*);
-#define ATTEND(D, NQ, BF16)                                                                         \
-    static void attend_##D##_##NQ##_##BF16(const void* k, const void* v, const float* const* q,     \
-                                           const int64_t* pos, float* s, float* const* o) {         \
-        attend_queries(k, v, q, pos, s, o, D, NQ, BF16);                                            \
+typedef void (*attend_fn)(const void*, const void*, const int32_t*, const float* const*, const int64_t*, float*,
+                          float* const*);
+#define ATTEND(D, NQ, BF16)                                                                          \
+    static void attend_##D##_##NQ##_##BF16(const void* k, const void* v, const int32_t* t,           \
+                                           const float* const* q, const int64_t* pos, float* s,      \
+                                           float* const* o) {                                        \
+        attend_queries(k, v, t, q, pos, s, o, D, NQ, BF16);                                          \
     }
 #define ATTEND_TYPES(D, NQ) ATTEND(D, NQ, 0) ATTEND(D, NQ, 1)
 ATTEND_TYPES(64, 1) ATTEND_TYPES(64, 2) ATTEND_TYPES(64, 3) ATTEND_TYPES(64, 4) ATTEND_TYPES(64, 5)
@@ -252,12 +269,12 @@ static inline int queries_per_call(const Model* m) {
     return m->head_dim == 64 ? QUERIES_64 : m->head_dim == 128 ? QUERIES_128 : 1;
 }
 
-static void attend(const Model* m, const void* k, const void* v, const float* const* queries, const int64_t* pos,
-                   int nq, float* scores, float* const* outs) {
-    if (m->head_dim == 64) attend_64[m->kv_bf16][nq](k, v, queries, pos, scores, outs);
-    else if (m->head_dim == 128) attend_128[m->kv_bf16][nq](k, v, queries, pos, scores, outs);
-    else if (m->kv_bf16) attend_queries(k, v, queries, pos, scores, outs, m->head_dim, 1, 1);
-    else attend_queries(k, v, queries, pos, scores, outs, m->head_dim, 1, 0);
+static void attend(const Model* m, const void* k, const void* v, const int32_t* table, const float* const* queries,
+                   const int64_t* pos, int nq, float* scores, float* const* outs) {
+    if (m->head_dim == 64) attend_64[m->kv_bf16][nq](k, v, table, queries, pos, scores, outs);
+    else if (m->head_dim == 128) attend_128[m->kv_bf16][nq](k, v, table, queries, pos, scores, outs);
+    else if (m->kv_bf16) attend_queries(k, v, table, queries, pos, scores, outs, m->head_dim, 1, 1);
+    else attend_queries(k, v, table, queries, pos, scores, outs, m->head_dim, 1, 0);
 }
 
 /* One chunk's tokens for KV head g: write their K and V, then attend with the group's query heads,
@@ -268,9 +285,10 @@ static void attention_item(const Forward* f, const Layer* layer, int chunk, int 
     const Batch* b = f->b;
     int d = m->head_dim, heads = m->num_heads, group = heads / m->num_kv_heads, width = heads * d;
     int ldq = ldy_of(&layer->qkv), elem = m->kv_bf16 ? 2 : 4, per_call = queries_per_call(m);
-    int64_t slot_kv = (int64_t)b->chunk_slots[chunk] * m->num_kv_heads + g;
-    const char* k_cache = (const char*)layer->k_cache + slot_kv * m->max_len * d * elem;
-    const char* v_cache = (const char*)layer->v_cache + slot_kv * m->max_len * d * elem;
+    int64_t head_bytes = (int64_t)g * m->pool_positions * d * elem;
+    const char* k_cache = (const char*)layer->k_cache + head_bytes;
+    const char* v_cache = (const char*)layer->v_cache + head_bytes;
+    const int32_t* table = slot_table(m, b->chunk_slots[chunk]);
     write_chunk_kv(f, layer, chunk, g);
     int t0 = b->chunk_starts[chunk], total = (b->chunk_starts[chunk + 1] - t0) * group;
     const float* queries[QUERIES_64];
@@ -284,7 +302,7 @@ static void attention_item(const Forward* f, const Layer* layer, int chunk, int 
             pos[q] = b->positions[t];
             outs[q] = out + q * d;
         }
-        attend(m, k_cache, v_cache, queries, pos, nq, scores, outs);
+        attend(m, k_cache, v_cache, table, queries, pos, nq, scores, outs);
         for (int q = 0; q < nq; q++) {
             int t = t0 + (first + q) / group, h = g * group + (first + q) % group;
             if (m->weights_bf16) {
