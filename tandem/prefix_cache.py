@@ -6,7 +6,8 @@ A slot holds the KV of the tokens its last sequence ran through the model. When 
 the slot is kept with those tokens. A new sequence takes the free slot whose kept tokens share the
 longest prefix with its prompt, and prefills only the rest: the next turn of a conversation, or
 another request with the same system prompt. Without a match it takes a slot that keeps nothing,
-else the one freed longest ago. The key is the tokens alone: each service holds one model, and the
+else the one freed longest ago. A kept slot holds the KV blocks of its tokens (kv_cache.py); when
+the pool runs short, the slots kept longest give theirs up first (`make_room`). The key is the tokens alone: each service holds one model, and the
 decoders' rows do not depend on their batch (the native decoder bit for bit), so the kept KV is
 the one a prefill would compute.
 """
@@ -36,7 +37,22 @@ class PrefixCache:
             keeping_nothing = [slot for slot in self.kv_cache.free_slots if slot not in self._kept]
             best = keeping_nothing[-1] if keeping_nothing else next(iter(self._kept))
         self._kept.pop(best, None)
-        return self.kv_cache.take(best), min(cached, max(0, len(prompt_ids) - 1))
+        cached = min(cached, max(0, len(prompt_ids) - 1))
+        self.kv_cache.take(best)
+        self.kv_cache.shrink(best, cached)  # blocks past the reused prefix hold nothing its new owner wants
+        return best, cached
+
+    @property
+    def kept_blocks(self) -> int:
+        """Blocks that free slots hold for their kept tokens: the pool's to take back when it runs short."""
+        return sum(self.kv_cache.num_blocks_of(slot) for slot in self._kept)
+
+    def make_room(self, blocks: int) -> None:
+        """Forget kept slots, the one kept longest first, until the pool has this many free blocks (or
+        nothing is kept)."""
+        while self.kv_cache.num_free_blocks < blocks and self._kept:
+            slot, _ = self._kept.popitem(last=False)
+            self.kv_cache.shrink(slot, 0)
 
     def release(self, slot: int, tokens: list[int]) -> None:
         """Free the slot; it keeps the KV of `tokens` (nothing, when empty or caching is off), and

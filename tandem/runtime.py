@@ -60,8 +60,11 @@ def load_model(
     num_slots: int = 8,
     max_model_len: int = 2048,
     drafter_target: str = "",
+    kv_cache_tokens: int | None = None,
 ) -> LoadedModel:
-    """A checkpoint, or a distilled drafter file on its target (`drafter_target`, else the one it names)."""
+    """A checkpoint, or a distilled drafter file on its target (`drafter_target`, else the one it names).
+
+    kv_cache_tokens: the KV pool's size; None: num_slots x max_model_len."""
     path = resolve_model_path(name_or_path)
     device = torch.device(device)
     draft_vocab = None
@@ -78,7 +81,7 @@ def load_model(
     tokenizer = load_tokenizer(path)
     check_vocabulary(config, tokenizer)
     model = build_model(config, weights, dtype=resolve_dtype(dtype, device), device=device,
-                        num_slots=num_slots, max_model_len=max_model_len)
+                        num_slots=num_slots, max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens)
     return LoadedModel(name=name_or_path, path=path, config=config, model=model, tokenizer=tokenizer,
                        draft_vocab=draft_vocab)
 

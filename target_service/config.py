@@ -18,8 +18,9 @@ class TargetConfig:
     device: str = "cpu"
     dtype: str = "auto"  # bf16 on CUDA and on CPUs with the native decoder, else fp32
     threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
-    max_num_seqs: int = 8  # running sequences, one KV slot each
+    max_num_seqs: int = 8  # running sequences, one KV slot (block table) each
     max_model_len: int = 2048
+    kv_cache_tokens: int = 0  # the KV cache's size in tokens (blocks of 16); 0: max_num_seqs x max_model_len, in whole blocks
     max_queue: int = 64  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
     prefix_caching: bool = True  # a freed slot keeps its KV for a prompt with the same first tokens
     # host:port of a draft service, several comma-separated, or dns:///host:port; empty: no speculation
@@ -53,13 +54,16 @@ class TargetConfig:
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         non_negative = {"http_port": self.http_port, "vllm_grpc_port": self.vllm_grpc_port,
-                        "max_queue": self.max_queue,
+                        "max_queue": self.max_queue, "kv_cache_tokens": self.kv_cache_tokens,
                         "num_speculative_tokens": self.num_speculative_tokens,
                         "draft_wait_ms": self.draft_wait_ms, "grace_seconds": self.grace_seconds,
                         "grammar_compile_timeout": self.grammar_compile_timeout}
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")
+        if 0 < self.kv_cache_tokens < self.max_model_len:
+            raise ValueError(f"--kv-cache-tokens {self.kv_cache_tokens} holds less than one sequence of "
+                             f"--max-model-len {self.max_model_len}")
         self.server_tls()
         self.drafter_link_tls()
         if self.drafter:

@@ -1,5 +1,10 @@
 """The target's scheduler: the waiting queue, the running batch, admission and the KV slots.
 
+A sequence is admitted with a slot and the KV blocks of every position it may reach (its prompt
+and max_tokens), so a running sequence never runs out of blocks and nothing is preempted. Blocks
+that finished sequences keep for the prefix cache are taken back, the oldest first, when the pool
+is short.
+
 A request's n samples wait, and are admitted, together: their prefill is shared (one forward, the
 prompt's KV copied to the other samples' slots). A new sequence's slot may already hold the KV of
 its prompt's first tokens (tandem/prefix_cache.py). A sequence is WAITING from submit to
@@ -20,7 +25,7 @@ from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from tandem.prefix_cache import PrefixCache
 from target_service.sequence import FinishReason, Sequence, SequenceStatus
-from tandem.model.kv_cache import KVCache
+from tandem.model.kv_cache import BLOCK_SIZE, KVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +59,17 @@ class Scheduler:
         return self.kv_cache.usage
 
     def add(self, samples: list[Sequence]) -> None:
-        """Queue a request's samples; RESOURCE_EXHAUSTED when the queue is full beyond what the next step admits."""
+        """Queue a request's samples; RESOURCE_EXHAUSTED when the queue is full beyond what the next step
+        admits, INVALID_ARGUMENT when they need more KV blocks than the cache has."""
+        needed = sum(self._blocks_needed(seq) for seq in samples)
+        if needed > self.kv_cache.num_blocks:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(samples)} sequence(s) of prompt plus max_tokens need {needed * BLOCK_SIZE} KV positions; "
+                f"the cache holds {self.kv_cache.num_blocks * BLOCK_SIZE} (--kv-cache-tokens): lower max_tokens or n",
+            )
         head = self._next_group() if self.waiting else samples
-        admitted = self._free_capacity() if len(head) <= self._free_capacity() else 0  # a group waits whole
+        admitted = self._free_capacity() if self._fits(head) else 0  # a group waits whole
         if len(self.waiting) + len(samples) - admitted > self.max_queue:
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -69,8 +82,14 @@ class Scheduler:
         self.metrics.waiting.set(len(self.waiting))
 
     def can_admit(self) -> bool:
-        """A request waits, and running slots and KV slots are free for all its waiting samples."""
-        return bool(self.waiting) and self._free_capacity() >= len(self._next_group())
+        """A request waits, and running slots, KV slots and KV blocks are free for all its waiting samples."""
+        return bool(self.waiting) and self._fits(self._next_group())
+
+    def _fits(self, group: list[Sequence]) -> bool:
+        """Whether the next step can admit this group whole: its slots, and its blocks from the free
+        ones and those kept for the prefix cache."""
+        blocks = self.kv_cache.num_free_blocks + self.prefix_cache.kept_blocks
+        return self._free_capacity() >= len(group) and sum(map(self._blocks_needed, group)) <= blocks
 
     def schedule(self) -> ScheduledBatch:
         """Admit what fits; the sequences already running and live decode or verify."""
@@ -104,6 +123,8 @@ class Scheduler:
         while self.can_admit():
             for seq in self._next_group():
                 seq.slot, seq.cached_tokens = self.prefix_cache.allocate(seq.prompt_ids)
+                self.prefix_cache.make_room(self._blocks_needed(seq) - self.kv_cache.num_blocks_of(seq.slot))
+                self.kv_cache.reserve(seq.slot, len(seq.prompt_ids) + seq.options.max_tokens)
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 seq.admitted_at = time.perf_counter()
@@ -118,6 +139,11 @@ class Scheduler:
         """The first waiting request's waiting samples: they stand together at the head of the queue."""
         group = self.waiting[0].group
         return list(itertools.takewhile(lambda seq: seq.group == group, self.waiting))
+
+    def _blocks_needed(self, seq: Sequence) -> int:
+        """The KV blocks of every position the sequence may write: its prompt and max_tokens (a
+        verify step never writes past them: its drafts are capped by the tokens left)."""
+        return self.kv_cache.blocks_for(len(seq.prompt_ids) + seq.options.max_tokens)
 
     def _free_capacity(self) -> int:
         """Requests the next step can admit: waiting for it is not queueing."""

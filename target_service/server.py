@@ -110,7 +110,7 @@ def _register(server: grpc.aio.Server, generation: GenerationServicer, vllm: Vll
 async def serve(config: TargetConfig) -> None:
     loaded = await asyncio.to_thread(
         load_model, config.model, dtype=config.dtype, device=config.device,
-        num_slots=config.max_num_seqs, max_model_len=config.max_model_len,
+        num_slots=config.max_num_seqs, max_model_len=config.max_model_len, kv_cache_tokens=config.kv_cache_tokens or None,
     )
     metrics = TargetMetrics(loaded.name)
     connect = None

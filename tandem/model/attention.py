@@ -44,8 +44,8 @@ def _attend_single(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor
     kv_heads = k_cache.shape[0]
     group = num_heads // kv_heads
     # 4-D operands: 3-D ones send CPU SDPA down its unfused math path, 2x slower here.
-    k = _keys_of_one(k_cache, meta).unsqueeze(0)  # [1, kv_heads, L, head_dim]
-    v = _keys_of_one(v_cache, meta).unsqueeze(0)
+    k = _rows_of_one(k_cache, meta).unsqueeze(0)  # [1, kv_heads, L, head_dim]
+    v = _rows_of_one(v_cache, meta).unsqueeze(0)
     q = q.view(num_tokens, kv_heads, group, head_dim).permute(1, 2, 0, 3)
     q = q.reshape(1, kv_heads, group * num_tokens, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask)  # [1, kv_heads, G*T, head_dim]
@@ -53,7 +53,7 @@ def _attend_single(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
-def _keys_of_one(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _rows_of_one(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """[kv_heads, pool positions, head_dim] -> the sequence's [kv_heads, L, head_dim]."""
     if meta.kv_start is not None:
         return cache[:, meta.kv_start : meta.kv_start + meta.context_len]  # a view
@@ -66,8 +66,8 @@ def _attend_batched(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tenso
     group = num_heads // kv_heads
     max_q = meta.max_query_len
     batch = meta.query_index.shape[0]
-    k = _gather_keys(k_cache, meta)  # [B, kv_heads, L, head_dim]
-    v = _gather_keys(v_cache, meta)
+    k = _gather_rows(k_cache, meta)  # [B, kv_heads, L, head_dim]
+    v = _gather_rows(v_cache, meta)
     qp = q[meta.query_index]  # [B, maxq, heads, head_dim]
     qp = qp.view(batch, max_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qp = qp.reshape(batch, kv_heads, group * max_q, head_dim)
@@ -77,7 +77,7 @@ def _attend_batched(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tenso
     return out[meta.token_to_padded]
 
 
-def _gather_keys(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _gather_rows(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """[kv_heads, pool positions, head_dim] -> the batch's [B, kv_heads, L, head_dim]."""
     batch, length = meta.kv_index.shape
     rows = cache.index_select(1, meta.kv_index.view(-1))  # 4-5x faster than advanced indexing on CPU

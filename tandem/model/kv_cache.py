@@ -107,10 +107,20 @@ class KVCache:
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"slot {slot} is not allocated")
         self._free.append(slot)
+        self.shrink(slot, keep)
+
+    def shrink(self, slot: int, keep: int) -> None:
+        """Return the slot's blocks past those that hold its first `keep` positions to the pool."""
         table = self._tables[slot]
         kept = -(-keep // BLOCK_SIZE)
         self._free_blocks.extend(reversed(table[kept:]))
         del table[kept:]
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // BLOCK_SIZE)
+
+    def num_blocks_of(self, slot: int) -> int:
+        return len(self._tables[slot])
 
     def bytes_per_token(self) -> int:
         return self._bytes_per_token
@@ -120,7 +130,7 @@ class KVCache:
         if length > self.positions:
             raise ValueError(f"{length} positions do not fit a slot of {self.positions}")
         table = self._tables[slot]
-        needed = -(-length // BLOCK_SIZE) - len(table)
+        needed = self.blocks_for(length) - len(table)
         if needed <= 0:
             return
         if needed > len(self._free_blocks):

@@ -10,7 +10,7 @@ from tandem.registry import DEFAULT_MODEL
 
 
 def test_a_conversations_next_turn_finds_its_history_in_the_prefix_cache(tmp_path):
-    """The load's system prompt is long (about 600 tokens): a target of the default --max-model-len."""
+    """The load's system prompt is long (about 1,000 tokens): a target of the default --max-model-len."""
     target = ServiceProcess("target_service", ["--threads", "1"], log_path=tmp_path / "target.log",
                             http_port=free_port()).start()
     try:

@@ -137,7 +137,8 @@ def make():
     """Builds a Harness; the drafter is connected, and steps never wait unless draft_wait_ms is given."""
     engines = []
 
-    def build(num_slots: int = 4, max_len: int = 64, max_k: int = MAX_K, **config) -> Harness:
+    def build(num_slots: int = 4, max_len: int = 64, max_k: int = MAX_K, kv_blocks: int | None = None,
+              **config) -> Harness:
         config.setdefault("draft_wait_ms", 0)
         events: list = []
         runner = ScriptedRunner(events)
@@ -145,8 +146,8 @@ def make():
         target_config, metrics = TargetConfig(**config), TargetMetrics("test")
         speculator = Speculator(speculation_policy(target_config), metrics, vocab_size=VOCAB, max_len=max_len,
                                 connect=lambda peer: link)
-        scheduler = Scheduler(KVCache(SHAPES["tiny"], num_slots, max_len, torch.float32, torch.device("cpu")), target_config.max_num_seqs, target_config.max_queue,
-                              metrics)
+        cache = KVCache(SHAPES["tiny"], num_slots, max_len, torch.float32, torch.device("cpu"), num_blocks=kv_blocks)
+        scheduler = Scheduler(cache, target_config.max_num_seqs, target_config.max_queue, metrics)
         engine = Engine(runner, scheduler, speculator, FakeTokenizer(), target_config, metrics)
         engines.append(engine)
         return Harness(engine, runner, link, events)
@@ -453,6 +454,64 @@ async def test_a_group_that_cannot_be_admitted_whole_counts_as_waiting_in_full(m
     with pytest.raises(RequestError) as refused:
         h.submit()
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# ---- KV blocks ----------------------------------------------------------------------------------------
+
+async def test_sequences_are_admitted_by_free_kv_blocks_not_by_slots(make):
+    """Four blocks hold one sequence of max_len 64, or four whose prompt and max_tokens fit a block:
+    four run at once, the fifth waits for blocks and goes in when one finishes."""
+    h = make(num_slots=8, max_len=64, kv_blocks=4)
+    seqs = [h.submit(max_tokens=12) for _ in range(5)]
+    await h.engine.step()
+    assert [s.status for s in seqs] == [SequenceStatus.RUNNING] * 4 + [SequenceStatus.WAITING]
+    assert h.engine.scheduler.kv_usage == 1.0
+    h.engine.abort(seqs[0])
+    await h.engine.step()
+    await h.engine.step()
+    assert seqs[4].status is SequenceStatus.RUNNING and seqs[4].token_ids[: N] == [*PROMPT, T[0]]
+
+
+async def test_blocks_kept_for_the_prefix_cache_give_way_to_new_sequences(make):
+    """A finished sequence's slot keeps its block for the prefix cache; when two new sequences need
+    the pool's two blocks, the kept one is taken back and the prefix forgotten."""
+    h = make(num_slots=4, max_len=64, kv_blocks=2)
+    first = h.submit(OTHER_PROMPT, max_tokens=2)
+    while first.status is not SequenceStatus.FINISHED:
+        await h.engine.step()
+    scheduler = h.engine.scheduler
+    assert scheduler.prefix_cache.kept_blocks == 1 and scheduler.kv_cache.num_free_blocks == 1
+    a, b = h.submit(max_tokens=12), h.submit(max_tokens=12)
+    await h.engine.step()
+    assert a.status is b.status is SequenceStatus.RUNNING
+    assert scheduler.prefix_cache.kept_blocks == 0 and scheduler.kv_cache.num_free_blocks == 0
+    again = h.submit(OTHER_PROMPT, max_tokens=2)
+    h.engine.abort(a)
+    await h.engine.step()
+    await h.engine.step()
+    assert again.status is not SequenceStatus.WAITING and again.cached_tokens == 0
+
+
+async def test_a_request_waiting_for_blocks_counts_against_the_queue(make):
+    """Free slots do not make room in the queue when the blocks are taken: with --max-queue 0, a
+    request the next step cannot admit is refused."""
+    h = make(num_slots=8, max_len=64, kv_blocks=1, max_queue=0)
+    h.submit(max_tokens=12)
+    await h.engine.step()
+    with pytest.raises(RequestError) as refused:
+        h.submit(max_tokens=12)
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_a_request_that_needs_more_blocks_than_the_cache_has_is_refused(make):
+    h = make(num_slots=8, max_len=64, kv_blocks=4)
+    options = RequestOptions(sampling=Sampling(temperature=0.0, seed=1), max_tokens=20, stop=(),
+                             stop_token_ids=frozenset(), ignore_eos=False, skip_special_tokens=True, speculate=True,
+                             num_speculative_tokens=MAX_K, n=3)
+    with pytest.raises(RequestError) as refused:
+        h.engine.submit(h.engine.new_sequences("", list(PROMPT), options))
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "need 96 KV positions; the cache holds 64 (--kv-cache-tokens)" in str(refused.value)
 
 
 # ---- reconnect ----------------------------------------------------------------------------------------

@@ -1,0 +1,25 @@
+"""The target's KV cache size: --kv-cache-tokens, and what it must hold."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from target_service.config import TargetConfig
+from tandem.model.llama import build_model
+from tandem.model.random_weights import SHAPES, random_weights
+
+
+@pytest.mark.parametrize("tokens, message", [(1000, "holds less than one sequence of --max-model-len 2048"),
+                                             (-16, "--kv-cache-tokens must not be negative")])
+def test_a_kv_cache_too_small_for_one_sequence_is_refused(tokens, message):
+    with pytest.raises(ValueError, match=message):
+        TargetConfig(max_model_len=2048, kv_cache_tokens=tokens)
+
+
+@pytest.mark.parametrize("kv_cache_tokens, blocks", [(None, 8 * 63), (2000, 125), (2001, 126)])
+def test_the_pool_holds_every_slot_at_full_length_unless_sized(kv_cache_tokens, blocks):
+    """By default each slot's max_len (1000: 63 blocks of 16) in whole blocks; a size in tokens rounds up."""
+    config = SHAPES["tiny"]
+    model = build_model(config, random_weights(config, seed=0), dtype=torch.float32, device="cpu",
+                        num_slots=8, max_model_len=1000, kv_cache_tokens=kv_cache_tokens)
+    assert model.kv_cache.num_blocks == blocks
