@@ -14,6 +14,9 @@ LATENCY_BUCKETS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256
 ACCEPTANCE_BUCKETS = tuple(range(0, 17))
 
 
+CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks")
+
+
 class TargetMetrics:
     def __init__(self, model: str):
         self.registry = CollectorRegistry()
@@ -81,12 +84,20 @@ class TargetMetrics:
         self.running = gauge("tandem_num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("tandem_num_requests_waiting", "Requests waiting for admission.")
         self.kv_usage = gauge("tandem_kv_cache_usage_perc", "Share of the KV cache in use, 0 to 1 (blocks held by running sequences).")
+        self.cache_config = bind("tandem_cache_config_info", Gauge(
+            "tandem_cache_config_info", "The KV cache's configuration, in the labels (value 1).",
+            names + list(CACHE_CONFIG_LABELS), registry=self.registry), CACHE_CONFIG_LABELS)
         self.drafter_connected = gauge("tandem_drafter_connected", "1 while a compatible drafter is connected.")
         self.drafts_requested = gauge(
             "tandem_spec_decode_requested_drafts",
             "Drafts per sequence the target last asked the drafter for, the batch's mean; 0 while none would pay.")
         self._labels = labels
         self.registry.register(VllmMirror(self.families))
+
+    def describe_cache(self, block_size: int, num_blocks: int, dtype: str, prefix_caching: bool) -> None:
+        """The KV cache's configuration, under vLLM's label names (num_gpu_blocks on any device)."""
+        values = (str(block_size), dtype, str(prefix_caching), str(num_blocks))
+        self.child(self.cache_config, **dict(zip(CACHE_CONFIG_LABELS, values))).set(1)
 
     def watch_kv_usage(self, usage: Callable[[], float]) -> None:
         """The KV gauge reads the engine's figure when scraped."""

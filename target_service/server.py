@@ -28,6 +28,7 @@ from target_service.validation import GENERATE_METHOD, UndecodableRequests
 from target_service.vllm_grpc.servicer import SERVICE_NAME as VLLM_SERVICE
 from target_service.vllm_grpc.servicer import VLLM_GENERATE_METHOD, VllmEngineServicer
 from tandem.grpc_server import RunningServer, ServerOptions, serve_until_signal, start_server
+from tandem.model.kv_cache import BLOCK_SIZE
 from tandem.runtime import load_model
 from tandem.structured import GrammarCompiler, GrammarLimits
 from tandem.tls import BearerTokenInterceptor
@@ -126,6 +127,8 @@ async def serve(config: TargetConfig) -> None:
     speculator = Speculator(speculation_policy(config), metrics, vocab_size=loaded.config.vocab_size,
                             max_len=kv_cache.max_len, connect=connect)
     scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_queue, metrics, config.prefix_caching)
+    metrics.describe_cache(BLOCK_SIZE, kv_cache.num_blocks, str(kv_cache.v[0].dtype).removeprefix("torch."),
+                           config.prefix_caching)
     engine = Engine(ModelRunner(loaded.model, metrics), scheduler, speculator, loaded.tokenizer, config, metrics)
     compiler = await asyncio.to_thread(
         GrammarCompiler, loaded.tokenizer, loaded.config.vocab_size,

@@ -43,6 +43,7 @@ def test_each_mirrored_metric_has_vllms_name_labels_and_value():
     metrics.ttft.observe(0.02)
     metrics.running.set(4)
     metrics.watch_kv_usage(lambda: 0.5)
+    metrics.describe_cache(16, 1024, "bfloat16", True)
     samples = _samples(generate_latest(metrics.registry).decode())
     assert _assert_mirrored(samples) > 20
     labels = frozenset({("model_name", "smollm2-135m"), ("engine", "0")})
@@ -51,6 +52,9 @@ def test_each_mirrored_metric_has_vllms_name_labels_and_value():
     assert samples[("vllm:spec_decode_num_drafts_total", labels)] == 3
     assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", labels | {("position", "1")})] == 2
     assert samples[("vllm:request_success_total", labels | {("finished_reason", "length")})] == 1
+    cache = {("block_size", "16"), ("cache_dtype", "bfloat16"), ("enable_prefix_caching", "True"),
+             ("num_gpu_blocks", "1024")}
+    assert samples[("vllm:cache_config_info", labels | cache)] == 1
 
 
 def test_the_http_port_serves_them_as_a_router_scrapes_them(front_doors):
@@ -63,3 +67,5 @@ def test_the_http_port_serves_them_as_a_router_scrapes_them(front_doors):
     assert samples[("vllm:spec_decode_num_drafts_total", labels)] > 0
     assert 0 <= samples[("vllm:kv_cache_usage_perc", labels)] < 1
     assert ("vllm:num_requests_waiting", labels) in samples
+    [config] = [dict(key[1]) for key in samples if key[0] == "vllm:cache_config_info"]
+    assert config["block_size"] == "16" and config["num_gpu_blocks"] == str(8 * 512 // 16)  # --max-model-len 512, 8 slots
