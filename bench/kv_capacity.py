@@ -4,12 +4,14 @@
 
 Two targets hold the same KV memory, 8 x 2048 = 16,384 tokens. "slots" is the cache as it was
 before paging: --max-num-seqs 8, so 8 sequences of up to --max-model-len each. "paged" runs
---max-num-seqs 32 --kv-cache-tokens 16384: a sequence is admitted with the blocks of its prompt
-and max_tokens, so prompts of a quarter of --max-model-len fit about 4x as many. Every request is
+--max-num-seqs 32 --kv-cache-tokens 16384: a sequence holds the blocks of the positions it has
+reached (preempted when the pool runs dry), so prompts of a quarter of --max-model-len fit about
+4x as many. Every request is
 sent at once through the OpenAI completions API, greedy, prefix caching off (every prompt is
 distinct anyway). The targets run one after the other, twice each, alternating. Reports, per
-target, the most requests running at once (vllm:num_requests_running, polled), TTFT p50, and the
-output tokens per second of the whole load, with the medians' ratios paged / slots.
+target, the most requests running at once (vllm:num_requests_running, polled), the preemptions,
+TTFT p50, and the output tokens per second of the whole load, with the medians' ratios paged /
+slots.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class Round:
     ttfts: list[float]
     output_tokens: int
     seconds: float
+    preemptions: int
 
 
 @dataclass(slots=True)
@@ -89,7 +92,9 @@ async def load(url: str, metrics_url: str, texts: list[str], max_tokens: int) ->
         results = await asyncio.gather(*(complete(session, url, text, max_tokens) for text in texts))
     seconds = time.perf_counter() - start
     stop.set()
-    return Round(await poller, [ttft for ttft, _ in results], sum(tokens for _, tokens in results), seconds)
+    preemptions = int(metric(await asyncio.to_thread(scrape, metrics_url), "tandem_num_preemptions_total"))
+    return Round(await poller, [ttft for ttft, _ in results], sum(tokens for _, tokens in results), seconds,
+                 preemptions)
 
 
 def run_variant(variant: Variant, args: argparse.Namespace, logs: Path, texts: list[str]) -> None:
@@ -105,15 +110,16 @@ def run_variant(variant: Variant, args: argparse.Namespace, logs: Path, texts: l
 
 
 def report(variants: list[Variant]) -> None:
-    print("| target | peak running | TTFT p50 s | output tok/s |")
-    print("|---|---|---|---|")
+    print("| target | peak running | preemptions (per round) | TTFT p50 s | output tok/s |")
+    print("|---|---|---|---|---|")
     medians = {}
     for v in variants:
         peak = max(r.peak_running for r in v.rounds)
         ttft = statistics.median(statistics.median(r.ttfts) for r in v.rounds)
         speed = statistics.median(r.output_tokens / r.seconds for r in v.rounds)
         medians[v.name] = (peak, ttft, speed)
-        print(f"| {v.name} | {peak} | {ttft:.2f} | {speed:.1f} |")
+        preempted = ", ".join(str(r.preemptions) for r in v.rounds)
+        print(f"| {v.name} | {peak} | {preempted} | {ttft:.2f} | {speed:.1f} |")
     (p_peak, p_ttft, p_speed), (s_peak, s_ttft, s_speed) = medians["paged"], medians["slots"]
     print(f"paged / slots: peak running {p_peak / s_peak:.2f}x, TTFT p50 {p_ttft / s_ttft:.2f}x, "
           f"output tok/s {p_speed / s_speed:.2f}x")

@@ -22,8 +22,9 @@ HELP = {
              "else float32)",
     "threads": "torch CPU threads; give each service its own cores",
     "max_num_seqs": "running sequences, each with its own KV block table",
-    "kv_cache_tokens": "the KV cache's size in tokens, in blocks of 16 (0: max-num-seqs x max-model-len); a "
-                       "sequence is admitted when the blocks of its prompt plus max_tokens are free",
+    "kv_cache_tokens": "the KV cache's size in tokens, in blocks of 16 (0: max-num-seqs x max-model-len); "
+                       "sequences take blocks as they grow, and when none are left the newest is preempted "
+                       "and recomputed later; at least max-model-len",
     "max_queue": "waiting requests beyond which new ones get RESOURCE_EXHAUSTED",
     "prefix_caching": "reuse the KV a finished sequence left in its slot for a new prompt that starts with the "
                       "same tokens (--no-prefix-caching: prefill every prompt whole)",

@@ -37,7 +37,8 @@ class PlannedDrafts:
         return VerifyItem(slot=seq.slot, length=len(seq.token_ids), last_token=seq.token_ids[-1],
                           drafts=self.drafts, sampling=seq.options.sampling, grammar=seq.grammar,
                           logits_context=seq.logits_context(self.drafts.tokens if self.drafts else ()),
-                          logprobs=seq.options.logprobs)
+                          logprobs=seq.options.logprobs,
+                          replay=() if seq.replay_from is None else tuple(seq.token_ids[seq.replay_from : -1]))
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,8 @@ class Engine:
             plan = await self.speculator.schedule(decodes, admission=self.scheduler.can_admit)
             firsts = [len(seq.token_ids) - 1 for seq in plan.seqs]  # where each result's feature rows start
             results, seconds = await self._verify(plan)
+            for seq in plan.seqs:
+                seq.replay_from = None  # the step ran its replay: its slot holds its KV again
             outputs = self._commit(plan.seqs, results)
             self.speculator.account(plan, results, outputs, seconds)
             await self._publish(plan.seqs, results, outputs, firsts)

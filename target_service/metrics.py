@@ -61,6 +61,8 @@ class TargetMetrics:
         self.accepted_per_pos = counter(
             "tandem_spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position.", extra=("position",)
         )
+        self.preemptions = counter(
+            "tandem_num_preemptions", "Running sequences preempted for KV blocks (recomputed when readmitted).")
         self.draft_miss = counter("tandem_draft_miss", "Steps where a speculating sequence had no usable draft.")
         self.draft_stale = counter("tandem_draft_stale", "Stale proposals by outcome.", extra=("outcome",))
         self.draft_rejected = counter("tandem_draft_rejected_proposals", "Invalid proposals dropped.", extra=("reason",))

@@ -6,7 +6,8 @@ samples of a request (n > 1) run nothing: they copy the first sample's prompt KV
 and sample the same logits row with their own seeds.
 Verify: a sequence with committed tokens x[0..n-1] has KV for n-1 of them; it runs
 [x[n-1], d1..dk] at positions n-1..n-1+k, so k+1 rows of p, and emits accepted drafts plus one
-recovered or bonus token. With no drafts (k = 0) this is a plain decode step.
+recovered or bonus token. With no drafts (k = 0) this is a plain decode step. A sequence back from
+a preemption runs the committed tokens its slot lacks in front, in the same chunk (`replay`).
 
 Structured output: a constrained sequence's k + 1 logits rows are masked by its grammar (at its
 state, then after d1, d1 d2, ...) before p is built, so greedy picks, rejection sampling and the
@@ -71,6 +72,7 @@ class VerifyItem:
     grammar: Matcher | None = None
     logits_context: LogitsContext | None = None  # its drafts are the context's: row i follows d1..di
     logprobs: int | None = None  # top log-probabilities to return with each token; None: none
+    replay: tuple[int, ...] = ()  # committed tokens before last_token whose KV the slot lacks (after a preemption)
 
     @property
     def num_drafts(self) -> int:
@@ -153,8 +155,8 @@ class ModelRunner:
         chunks = [
             SequenceChunk(
                 slot=i.slot,
-                start=i.length - 1,
-                token_ids=[i.last_token, *(i.drafts.tokens if i.drafts else ())],
+                start=i.length - 1 - len(i.replay),
+                token_ids=[*i.replay, i.last_token, *(i.drafts.tokens if i.drafts else ())],
                 num_logits=i.num_drafts + 1,
             )
             for i in items
@@ -181,8 +183,9 @@ class ModelRunner:
                                                       for _ in range(items[b].num_drafts + 1)])
                 for b, verified in zip(group, verify([items[b] for b in group], probs)):
                     results[b] = verified
-        if capture:
-            results = [Verified(r.tokens, r.num_accepted, rows) for r, rows in zip(results, features)]
+        if capture:  # the replayed rows' features were sent when those tokens were first committed
+            results = [Verified(r.tokens, r.num_accepted, rows[len(i.replay):])
+                       for r, rows, i in zip(results, features, items)]
         return _with_logprobs(results, raw)
 
     def _forward(self, chunks: list[SequenceChunk], capture: tuple[int, ...]

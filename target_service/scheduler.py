@@ -1,9 +1,11 @@
 """The target's scheduler: the waiting queue, the running batch, admission and the KV slots.
 
-A sequence is admitted with a slot and the KV blocks of every position it may reach (its prompt
-and max_tokens), so a running sequence never runs out of blocks and nothing is preempted. Blocks
-that finished sequences keep for the prefix cache are taken back, the oldest first, when the pool
-is short.
+A sequence is admitted with a slot and the KV blocks of its prompt and one step's growth; before
+each step every running sequence gets the blocks that step may write. Blocks that finished
+sequences keep for the prefix cache are taken back first, the oldest first. When the pool is still
+short, the newest running sequence is preempted: it frees its slot (keeping its tokens for the
+prefix cache) and waits at the head of the queue; re-admitted, it recomputes the KV its new slot
+lacks in its next verify step (`Sequence.replay_from`), and nothing else about it changes.
 
 A request's n samples wait, and are admitted, together: their prefill is shared (one forward, the
 prompt's KV copied to the other samples' slots). A new sequence's slot may already hold the KV of
@@ -65,8 +67,8 @@ class Scheduler:
         if needed > self.kv_cache.num_blocks:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(samples)} sequence(s) of prompt plus max_tokens need {needed * BLOCK_SIZE} KV positions; "
-                f"the cache holds {self.kv_cache.num_blocks * BLOCK_SIZE} (--kv-cache-tokens): lower max_tokens or n",
+                f"{len(samples)} sequence(s) need {needed * BLOCK_SIZE} KV positions to start; the cache holds "
+                f"{self.kv_cache.num_blocks * BLOCK_SIZE} (--kv-cache-tokens): lower n or shorten the prompt",
             )
         head = self._next_group() if self.waiting else samples
         admitted = self._free_capacity() if self._fits(head) else 0  # a group waits whole
@@ -92,9 +94,13 @@ class Scheduler:
         return self._free_capacity() >= len(group) and sum(map(self._blocks_needed, group)) <= blocks
 
     def schedule(self) -> ScheduledBatch:
-        """Admit what fits; the sequences already running and live decode or verify."""
-        decodes = [s for s in self.running if s.finish is None]
-        return ScheduledBatch(prefills=self._admit(), decodes=decodes)
+        """Give the running sequences their blocks (preempting when short), then admit what fits; the
+        live running sequences, and the preempted ones readmitted, decode or verify."""
+        self._grow([s for s in self.running if s.finish is None])
+        admitted = self._admit()
+        decodes = [s for s in self.running if s.finish is None and s not in admitted]
+        return ScheduledBatch(prefills=[s for s in admitted if s.replay_from is None],
+                              decodes=decodes + [s for s in admitted if s.replay_from is not None])
 
     def dequeue(self, seq: Sequence) -> bool:
         """Take a waiting sequence out of the queue (an abort); False when it is not waiting."""
@@ -122,13 +128,16 @@ class Scheduler:
         admitted = []
         while self.can_admit():
             for seq in self._next_group():
-                seq.slot, seq.cached_tokens = self.prefix_cache.allocate(seq.prompt_ids)
+                if seq.num_generated:  # preempted: its committed tokens, of which its new slot may hold some
+                    seq.slot, seq.replay_from = self.prefix_cache.allocate(seq.token_ids)
+                else:
+                    seq.slot, seq.cached_tokens = self.prefix_cache.allocate(seq.prompt_ids)
+                    seq.admitted_at = time.perf_counter()
+                    self.metrics.queue_time.observe(seq.admitted_at - seq.arrival)
                 self.prefix_cache.make_room(self._blocks_needed(seq) - self.kv_cache.num_blocks_of(seq.slot))
-                self.kv_cache.reserve(seq.slot, len(seq.prompt_ids) + seq.options.max_tokens)
+                self.kv_cache.reserve(seq.slot, self._positions_needed(seq))
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
-                seq.admitted_at = time.perf_counter()
-                self.metrics.queue_time.observe(seq.admitted_at - seq.arrival)
                 self.running.append(seq)
                 admitted.append(seq)
         self.metrics.waiting.set(len(self.waiting))
@@ -140,10 +149,40 @@ class Scheduler:
         group = self.waiting[0].group
         return list(itertools.takewhile(lambda seq: seq.group == group, self.waiting))
 
+    def _grow(self, running: list[Sequence]) -> None:
+        """Each running sequence, the oldest first, gets the blocks of its next step; when the pool is
+        short, the newest running sequence is preempted, until it fits (or is itself preempted)."""
+        for seq in running:
+            while seq.status is SequenceStatus.RUNNING and not self._reserve(seq):
+                self._preempt(next(s for s in reversed(self.running) if s.finish is None))
+
+    def _reserve(self, seq: Sequence) -> bool:
+        short = self._blocks_needed(seq) - self.kv_cache.num_blocks_of(seq.slot)
+        self.prefix_cache.make_room(short)
+        if short > self.kv_cache.num_free_blocks:
+            return False
+        self.kv_cache.reserve(seq.slot, self._positions_needed(seq))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's slot, its KV kept for the prefix cache, and queue it first."""
+        self.running.remove(seq)
+        self.prefix_cache.release(seq.slot, seq.token_ids[:-1])
+        seq.slot = None
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.metrics.preemptions.inc()
+        self.metrics.waiting.set(len(self.waiting))
+        self.metrics.running.set(len(self.running))
+
+    def _positions_needed(self, seq: Sequence) -> int:
+        """The positions the sequence's next step may write: its tokens, the prefill's token or
+        a verify's drafts (at most k, and never past its prompt and max_tokens)."""
+        return min(len(seq.prompt_ids) + seq.options.max_tokens,
+                   len(seq.token_ids) + 1 + seq.options.num_speculative_tokens)
+
     def _blocks_needed(self, seq: Sequence) -> int:
-        """The KV blocks of every position the sequence may write: its prompt and max_tokens (a
-        verify step never writes past them: its drafts are capped by the tokens left)."""
-        return self.kv_cache.blocks_for(len(seq.prompt_ids) + seq.options.max_tokens)
+        return self.kv_cache.blocks_for(self._positions_needed(seq))
 
     def _free_capacity(self) -> int:
         """Requests the next step can admit: waiting for it is not queueing."""

@@ -22,6 +22,7 @@ MIRRORED = {
     "tandem_num_requests_waiting": ("vllm:num_requests_waiting",),
     "tandem_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "tandem_cache_config_info": ("vllm:cache_config_info",),
+    "tandem_num_preemptions": ("vllm:num_preemptions",),
     "tandem_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
     "tandem_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
     "tandem_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),

@@ -68,6 +68,8 @@ class ScriptedRunner:
         return [self._verify(item) for item in items]
 
     def _verify(self, item: VerifyItem) -> Verified:
+        if item.replay and item.length - 1 - len(item.replay) == 0:  # readmitted into a slot that held nothing
+            self.prompts[item.slot] = next(p for p in CONTINUATIONS if item.replay[: len(p)] == p)
         prompt = self.prompts[item.slot]
         ahead = CONTINUATIONS[prompt][item.length - len(prompt):]
         drafts = item.drafts.tokens if item.drafts else ()
@@ -147,7 +149,8 @@ def make():
         speculator = Speculator(speculation_policy(target_config), metrics, vocab_size=VOCAB, max_len=max_len,
                                 connect=lambda peer: link)
         cache = KVCache(SHAPES["tiny"], num_slots, max_len, torch.float32, torch.device("cpu"), num_blocks=kv_blocks)
-        scheduler = Scheduler(cache, target_config.max_num_seqs, target_config.max_queue, metrics)
+        scheduler = Scheduler(cache, target_config.max_num_seqs, target_config.max_queue, metrics,
+                              target_config.prefix_caching)
         engine = Engine(runner, scheduler, speculator, FakeTokenizer(), target_config, metrics)
         engines.append(engine)
         return Harness(engine, runner, link, events)
@@ -503,15 +506,40 @@ async def test_a_request_waiting_for_blocks_counts_against_the_queue(make):
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-async def test_a_request_that_needs_more_blocks_than_the_cache_has_is_refused(make):
+async def test_a_request_that_needs_more_blocks_than_the_cache_has_to_start_is_refused(make):
+    """Three samples of a 40-token prompt need 45 positions each (the prompt, the prefill's token and
+    k drafts): 9 blocks, of a cache of 4."""
     h = make(num_slots=8, max_len=64, kv_blocks=4)
     options = RequestOptions(sampling=Sampling(temperature=0.0, seed=1), max_tokens=20, stop=(),
                              stop_token_ids=frozenset(), ignore_eos=False, skip_special_tokens=True, speculate=True,
                              num_speculative_tokens=MAX_K, n=3)
     with pytest.raises(RequestError) as refused:
-        h.engine.submit(h.engine.new_sequences("", list(PROMPT), options))
+        h.engine.submit(h.engine.new_sequences("", list(range(100, 140)), options))
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "need 96 KV positions; the cache holds 64 (--kv-cache-tokens)" in str(refused.value)
+    assert "need 144 KV positions to start; the cache holds 64 (--kv-cache-tokens)" in str(refused.value)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["recomputed", "kept"])
+async def test_a_sequence_short_of_blocks_is_preempted_and_resumes_with_the_same_tokens(make, prefix_caching):
+    """Three blocks for two sequences that each end up needing two: the newest is preempted when the
+    pool runs dry, waits while the other finishes, and resumes. Without the prefix cache its new slot
+    holds nothing, so its next verify runs its committed tokens again in front; with it, the slot
+    it left kept them (the finished one's kept blocks give way instead) and nothing is recomputed."""
+    h = make(num_slots=4, max_len=64, kv_blocks=3, prefix_caching=prefix_caching)
+    a, b = h.submit(PROMPT, max_tokens=16), h.submit(OTHER_PROMPT, max_tokens=16)
+    for _ in range(60):
+        if a.status is b.status is SequenceStatus.FINISHED:
+            break
+        await h.engine.step()
+    assert a.token_ids == [*PROMPT, *T] and b.token_ids == [*OTHER_PROMPT, *CONTINUATIONS[OTHER_PROMPT]]
+    assert h.count("tandem_num_preemptions_total") == 1
+    replayed = [i for items in h.runner.verified for i in items if i.replay]
+    if prefix_caching:
+        assert replayed == []
+    else:
+        [item] = replayed
+        assert item.length - 1 == len(item.replay) > len(OTHER_PROMPT)
+        assert list(item.replay) == b.token_ids[: len(item.replay)]
 
 
 # ---- reconnect ----------------------------------------------------------------------------------------
