@@ -10,26 +10,38 @@ PROMPTS = ["Count from one to forty in words, separated by commas.",
            "List the days of the week, then list them again backwards.",
            "Write the alphabet with a word for each letter.",
            "Repeat the word 'tandem' twenty times, then say why."]
+MODES = ({}, {"temperature": 1.0, "seed": 11, "drafter_invariant": True})
 
 
 def test_preempted_sequences_recompute_their_kv_and_keep_the_target_alones_tokens(shared_drafter, tmp_path):
     """256 positions of KV (16 blocks) and 4 slots; each request may reach about 150 positions, so
-    four at once run the pool dry. No prefix cache: a preempted sequence's new slot holds nothing."""
+    four at once run the pool dry. No prefix cache: a preempted sequence's new slot holds nothing.
+    Greedy, and sampled in drafter-invariant mode (keyed by seed and position, bit-identical to the
+    target alone): both give each request's tokens alone, with speculation."""
     target = ServiceProcess("target_service", [
         "--threads", "1", "--max-model-len", "256", "--kv-cache-tokens", "256", "--max-num-seqs", "4",
         "--no-prefix-caching", "--drafter", shared_drafter.address],
         log_path=tmp_path / "target.log", http_port=free_port()).start()
     try:
         target.wait_healthy().wait_metric("tandem_drafter_connected", 1)
-        alone = run_requests(target.address, [greedy_request(p, 100, speculate=False) for p in PROMPTS],
+        alone = run_requests(target.address, [_request(p, speculate=False, **mode) for mode in MODES for p in PROMPTS],
                              concurrency=1)
         assert metric(scrape(target.metrics_url), "tandem_num_preemptions_total") == 0
-        together = run_requests(target.address, [greedy_request(p, 100) for p in PROMPTS])
-        samples = scrape(target.metrics_url)
+        together = []
+        for mode in MODES:
+            before = metric(scrape(target.metrics_url), "tandem_num_preemptions_total")
+            together += run_requests(target.address, [_request(p, **mode) for p in PROMPTS])
+            samples = scrape(target.metrics_url)
+            assert metric(samples, "tandem_num_preemptions_total") > before, f"{mode}: the pool never ran dry"
     finally:
         target.kill()
-    assert metric(samples, "tandem_num_preemptions_total") > 0, "the pool never ran dry: the test proves nothing"
     assert metric(samples, "vllm:num_preemptions_total") == metric(samples, "tandem_num_preemptions_total")
     assert sum(r.accepted_tokens for r in together) > 0, "speculation ran"
     for mine, reference in zip(together, alone):
         assert mine.token_ids == reference.token_ids
+
+
+def _request(prompt: str, speculate: bool = True, **mode):
+    request = greedy_request(prompt, 100, speculate=speculate, **{k: v for k, v in mode.items() if k != "temperature"})
+    request.sampling_params.temperature = mode.get("temperature", 0.0)
+    return request
