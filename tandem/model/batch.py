@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.model.kv_cache import KVCache
+from tandem.model.kv_cache import BLOCK_SIZE, KVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +90,7 @@ def _single_metadata(chunk: SequenceChunk, queries_per_kv: int, kv_cache: KVCach
     kv_start = kv_cache.contiguous_start(chunk.slot, chunk.end)
     kv_index = write_index = None
     if kv_start is None:
-        pool = kv_cache.pool_positions(chunk.slot, 0, chunk.end)
-        kv_index = torch.tensor(pool, dtype=torch.long, device=device)
+        kv_index = _pool_index(kv_cache, [chunk.slot], chunk.end)[0]  # [L]
         write_index = kv_index[chunk.start :]
     return AttentionMetadata(
         single=True,
@@ -111,31 +110,39 @@ def _batched_metadata(chunks: list[SequenceChunk], queries_per_kv: int, kv_cache
     context_len = max(c.end for c in chunks)
     query_index = torch.zeros(len(chunks), max_q, dtype=torch.long)
     query_pos = torch.zeros(len(chunks), max_q, dtype=torch.long)  # padding sees key 0 only
-    kv_index = torch.zeros(len(chunks), context_len, dtype=torch.long)  # keys past a chunk's end: masked
     token_to_padded: list[int] = []
-    write_index: list[int] = []
     offset = 0
     for b, c in enumerate(chunks):
         n = len(c.token_ids)
         query_index[b, :n] = torch.arange(offset, offset + n)
         query_index[b, n:] = offset
         query_pos[b, :n] = torch.arange(c.start, c.end)
-        pool = kv_cache.pool_positions(c.slot, 0, c.end)
-        kv_index[b, : c.end] = torch.tensor(pool, dtype=torch.long)
         token_to_padded.extend(range(b * max_q, b * max_q + n))
-        write_index.extend(pool[c.start :])
         offset += n
+    device = kv_cache.block_tables.device
+    # Keys past a chunk's end read whatever their table entries point at: they are masked.
+    kv_index = _pool_index(kv_cache, [c.slot for c in chunks], context_len)  # [B, L]
+    query_pos = query_pos.to(device)
+    padded = torch.tensor(token_to_padded, dtype=torch.long, device=device)  # [T]
     mask = _causal_mask(query_pos, context_len)  # [B, maxq, L]
     mask = mask.repeat(1, queries_per_kv, 1).unsqueeze(1)  # [B, 1, G*maxq, L]
-    device = kv_cache.block_tables.device
     return AttentionMetadata(
         single=False,
         context_len=context_len,
         max_query_len=max_q,
-        mask=mask.to(device),
+        mask=mask,
         kv_start=None,
-        kv_index=kv_index.to(device),
-        write_index=torch.tensor(write_index, dtype=torch.long, device=device),
+        kv_index=kv_index,
+        write_index=kv_index[padded // max_q, query_pos.view(-1)[padded]],  # [T]: each new token's pool position
         query_index=query_index.to(device),
-        token_to_padded=torch.tensor(token_to_padded, dtype=torch.long, device=device),
+        token_to_padded=padded,
     )
+
+
+def _pool_index(kv_cache: KVCache, slots: list[int], length: int) -> torch.Tensor:
+    """[len(slots), length]: the pool position of each slot's positions 0..length-1, from its block
+    table on the cache's device."""
+    device = kv_cache.block_tables.device
+    positions = torch.arange(length, device=device)
+    tables = kv_cache.block_tables[torch.tensor(slots, device=device)]  # [S, max_blocks]
+    return tables[:, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
