@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.model.kv_cache import BLOCK_SIZE, KVCache
+from tandem.model.kv_cache import KVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ def _single_metadata(chunk: SequenceChunk, queries_per_kv: int, kv_cache: KVCach
     kv_start = kv_cache.contiguous_start(chunk.slot, chunk.end)
     kv_index = write_index = None
     if kv_start is None:
-        kv_index = _pool_index(kv_cache, [chunk.slot], chunk.end)[0]  # [L]
+        kv_index = kv_cache.pool_index([chunk.slot], chunk.end)[0]  # [L]
         write_index = kv_index[chunk.start :]
     return AttentionMetadata(
         single=True,
@@ -121,7 +121,7 @@ def _batched_metadata(chunks: list[SequenceChunk], queries_per_kv: int, kv_cache
         offset += n
     device = kv_cache.block_tables.device
     # Keys past a chunk's end read whatever their table entries point at: they are masked.
-    kv_index = _pool_index(kv_cache, [c.slot for c in chunks], context_len)  # [B, L]
+    kv_index = kv_cache.pool_index([c.slot for c in chunks], context_len)  # [B, L]
     query_pos = query_pos.to(device)
     padded = torch.tensor(token_to_padded, dtype=torch.long, device=device)  # [T]
     mask = _causal_mask(query_pos, context_len)  # [B, maxq, L]
@@ -138,11 +138,3 @@ def _batched_metadata(chunks: list[SequenceChunk], queries_per_kv: int, kv_cache
         token_to_padded=padded,
     )
 
-
-def _pool_index(kv_cache: KVCache, slots: list[int], length: int) -> torch.Tensor:
-    """[len(slots), length]: the pool position of each slot's positions 0..length-1, from its block
-    table on the cache's device."""
-    device = kv_cache.block_tables.device
-    positions = torch.arange(length, device=device)
-    tables = kv_cache.block_tables[torch.tensor(slots, device=device)]  # [S, max_blocks]
-    return tables[:, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE

@@ -143,10 +143,13 @@ class KVCache:
         """The slot's blocks, in position order."""
         return list(self._tables[slot])
 
-    def pool_positions(self, slot: int, start: int, end: int) -> list[int]:
-        """Where positions [start, end) of the slot sit in the pool (they must be reserved)."""
-        table = self._tables[slot]
-        return [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+    def pool_index(self, slots: list[int], length: int) -> torch.Tensor:
+        """[len(slots), length] int64 on the cache's device: where each slot's positions 0..length-1
+        sit in the pool, read from the block tables (past a slot's reserved blocks: stale entries)."""
+        device = self.block_tables.device
+        positions = torch.arange(length, device=device)
+        tables = self.block_tables[torch.tensor(slots, device=device)]  # [S, max_blocks]
+        return tables[:, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
 
     def contiguous_start(self, slot: int, length: int) -> int | None:
         """The pool position of the slot's position 0 when positions [0, length) are one run of
@@ -168,9 +171,7 @@ class KVCache:
         if not 0 <= start <= end <= self.max_len:
             raise ValueError(f"positions [{start}, {end}) are not inside [0, {self.max_len})")
         self.reserve(dest, end)
-        device = self.v[0].device
-        src = torch.tensor(self.pool_positions(source, start, end), dtype=torch.long, device=device)
-        dst = torch.tensor(self.pool_positions(dest, start, end), dtype=torch.long, device=device)
+        src, dst = self.pool_index([source, dest], end)[:, start:]  # [end - start] each
         for k, v in zip(self.k, self.v):
             v[:, dst] = v[:, src]
             if self.transposed_keys:

@@ -75,7 +75,7 @@ def test_chunk_past_the_cache_is_refused(model):
 def _positions(cache: KVCache, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a slot's reserved positions as [heads, positions, head_dim], read through its block
     table whatever the K layout."""
-    pool = torch.tensor(cache.pool_positions(slot, 0, len(cache.block_table(slot)) * BLOCK_SIZE))
+    pool = cache.pool_index([slot], len(cache.block_table(slot)) * BLOCK_SIZE)[0]
     k, v = cache.k[layer], cache.v[layer][:, pool]
     if cache.transposed_keys:  # [heads, blocks, head_dim, block] -> [positions, heads, head_dim]
         return k[:, pool // BLOCK_SIZE, :, pool % BLOCK_SIZE].transpose(0, 1), v
