@@ -21,10 +21,18 @@ from tandem.tls import ClientTls
 POLL_BACKOFF_MS = 200  # how often wait_healthy's channel retries a service not yet listening
 
 
+_handed_out: set[int] = set()  # ports free_port gave this process: the kernel may offer a closed one again
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now and never handed out before by this process."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @dataclass
