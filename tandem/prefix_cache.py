@@ -1,63 +1,81 @@
-"""Automatic prefix caching over KV slots: a freed slot keeps its KV for the next prompt that starts
-with the same tokens. The target's scheduler and the model drafter's slot table both allocate
-through it.
+"""Automatic prefix caching over shared KV blocks: the target's scheduler allocates every slot here.
 
-A slot holds the KV of the tokens its last sequence ran through the model. When the sequence ends,
-the slot is kept with those tokens. A new sequence takes the free slot whose kept tokens share the
-longest prefix with its prompt, and prefills only the rest: the next turn of a conversation, or
-another request with the same system prompt. Without a match it takes a slot that keeps nothing,
-else the one freed longest ago. A kept slot holds the KV blocks of its tokens (kv_cache.py); when
-the pool runs short, the slots kept longest give theirs up first (`make_room`). The key is the tokens alone: each service holds one model, and the
-decoders' rows do not depend on their batch (the native decoder bit for bit), so the kept KV is
-the one a prefill would compute.
+Each full block of a sequence's tokens has a hash chained over the hashes before it: block i's
+hash covers tokens [0, 16 * (i + 1)), so equal hashes mean equal prefixes. Once a block's KV is
+computed, the block is cached under its hash (`cache_blocks`), while its sequence runs and after.
+A new slot takes the longest run of cached blocks that starts its tokens (`allocate`): the next
+turn of a conversation, or every request with the same system prompt, holds those blocks beside
+the slots that computed them and prefills only the rest. Cached blocks that no slot holds stay in
+the pool's free blocks until new KV needs them, the least recently used first (block_pool.py).
+
+A block is found only when it lies wholly before the prompt's last token, which always runs, for
+its logits; so a slot never writes a position of a block it found, and the blocks it writes are
+its own. The key is the tokens alone: the service holds one model, and the decoders' rows do not
+depend on their batch (the native decoder bit for bit), so a cached block holds the KV a prefill
+would compute.
 """
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
+import hashlib
+from array import array
+from collections.abc import Sequence
 
-from tandem.model.kv_cache import KVCache
+from tandem.model.kv_cache import BLOCK_SIZE, KVCache
+
+ROOT_HASH = 0  # the parent of a sequence's first block
+
+
+def block_hash(parent: int, tokens: Sequence[int]) -> int:
+    """The hash of a block of tokens following the prefix whose last block hashed to `parent`."""
+    data = parent.to_bytes(8, "little") + array("q", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def block_hashes(tokens: Sequence[int]) -> list[int]:
+    """The chained hash of each full block of the tokens."""
+    hashes, parent = [], ROOT_HASH
+    for start in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        parent = block_hash(parent, tokens[start : start + BLOCK_SIZE])
+        hashes.append(parent)
+    return hashes
 
 
 class PrefixCache:
     def __init__(self, kv_cache: KVCache, enabled: bool = True):
         self.kv_cache = kv_cache
         self.enabled = enabled
-        self._kept: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # free slot -> its KV's tokens, oldest first
+        self._hashes: dict[int, list[int]] = {}  # allocated slot -> the hashes of its cached blocks
 
-    def allocate(self, prompt_ids: list[int]) -> tuple[int, int]:
-        """A free slot for the prompt, and how many of the prompt's first tokens already have their KV
-        there: at most all but the last, which runs for its logits (none for an empty prompt)."""
-        best, cached, prompt = None, 0, tuple(prompt_ids)
-        for slot, tokens in self._kept.items():
-            shared = len(os.path.commonprefix([tokens, prompt]))
-            if shared > cached:
-                best, cached = slot, shared
-        if best is None:
-            keeping_nothing = [slot for slot in self.kv_cache.free_slots if slot not in self._kept]
-            best = keeping_nothing[-1] if keeping_nothing else next(iter(self._kept))
-        self._kept.pop(best, None)
-        cached = min(cached, max(0, len(prompt_ids) - 1))
-        self.kv_cache.take(best)
-        self.kv_cache.shrink(best, cached)  # blocks past the reused prefix hold nothing its new owner wants
-        return best, cached
+    def allocate(self, tokens: list[int], reuse: bool = True) -> tuple[int, int]:
+        """A free slot holding the longest cached prefix of the tokens, and that prefix's length: whole
+        blocks before the last token (none with `reuse` off, when every position must run)."""
+        slot = self.kv_cache.allocate()
+        found: list[int] = []
+        hashes: list[int] = []
+        if self.enabled and reuse:
+            for prefix_hash in block_hashes(tokens[: len(tokens) - 1]):
+                block = self.kv_cache.pool.cached(prefix_hash)
+                if block is None:
+                    break
+                found.append(block)
+                hashes.append(prefix_hash)
+        self.kv_cache.attach(slot, found)
+        self._hashes[slot] = hashes
+        return slot, len(found) * BLOCK_SIZE
 
-    @property
-    def kept_blocks(self) -> int:
-        """Blocks that free slots hold for their kept tokens: the pool's to take back when it runs short."""
-        return sum(self.kv_cache.num_blocks_of(slot) for slot in self._kept)
+    def cache_blocks(self, slot: int, tokens: list[int], computed: int) -> None:
+        """Cache the slot's full blocks among its first `computed` tokens, whose KV it holds."""
+        hashes = self._hashes[slot]
+        if not self.enabled or len(hashes) == computed // BLOCK_SIZE:
+            return
+        table = self.kv_cache.block_table(slot)
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for i in range(len(hashes), computed // BLOCK_SIZE):
+            parent = block_hash(parent, tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            hashes.append(parent)
+            self.kv_cache.pool.cache(table[i], parent)
 
-    def make_room(self, blocks: int) -> None:
-        """Forget kept slots, the one kept longest first, until the pool has this many free blocks (or
-        nothing is kept)."""
-        while self.kv_cache.num_free_blocks < blocks and self._kept:
-            slot, _ = self._kept.popitem(last=False)
-            self.kv_cache.shrink(slot, 0)
-
-    def release(self, slot: int, tokens: list[int]) -> None:
-        """Free the slot; it keeps the KV of `tokens` (nothing, when empty or caching is off), and
-        the blocks past them go back to the pool."""
-        keep = tokens if self.enabled else []
-        self.kv_cache.free(slot, keep=len(keep))
-        if keep:
-            self._kept[slot] = tuple(keep)
+    def release(self, slot: int) -> None:
+        """Free the slot; its cached blocks stay cached until the pool needs them."""
+        del self._hashes[slot]
+        self.kv_cache.free(slot)

@@ -141,7 +141,7 @@ class Engine:
             self._work.clear()
             await self._work.wait()
             return
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(full_prefills=bool(self.speculator.feature_layers))
         if batch.prefills:
             self.speculator.admit(batch.prefills)  # before our prefill, so that the drafter's runs beside it
             results = await self._prefill(batch.prefills)
@@ -159,12 +159,11 @@ class Engine:
 
     async def _prefill(self, admitted: list[Sequence]) -> list[Verified]:
         """A request's first sample runs the prompt, past what its slot holds already (prefix caching);
-        its other samples (admitted right after it) copy its KV."""
+        its other samples (admitted right after it) share its KV."""
         first: dict[int, int] = {}  # group -> the batch index of its first sample
         items = []
         for b, s in enumerate(admitted):
             leader = first.get(s.group)
-            s.cached_tokens = self._reusable(s) if leader is None else admitted[leader].cached_tokens
             items.append(PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling,
                                      grammar=s.grammar, logits_context=s.logits_context(), logprobs=s.options.logprobs,
                                      prompt_logprobs=s.options.prompt_logprobs, copy_of=leader, cached=s.cached_tokens))
@@ -177,13 +176,6 @@ class Engine:
         self.metrics.prefix_cache_queries.inc(sum(len(i.prompt_ids) for i in prompts))
         self.metrics.prefix_cache_hits.inc(sum(i.cached for i in prompts))
         return results
-
-    def _reusable(self, seq: Sequence) -> int:
-        """The cached prompt tokens the prefill may skip: none when every prompt position must run, for
-        its logits (prompt_logprobs) or for the features a drafter reads."""
-        if seq.options.prompt_logprobs is not None or self.speculator.feature_layers:
-            return 0
-        return seq.cached_tokens
 
     async def _verify(self, plan: DraftPlan) -> tuple[list[Verified], float]:
         """The verify (or, without drafts, decode) step's results, and how long it took."""

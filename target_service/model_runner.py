@@ -52,7 +52,7 @@ class PrefillItem:
     logits_context: LogitsContext | None = None  # penalties, bans, biases: None when none applies
     logprobs: int | None = None  # top log-probabilities to return with the token; None: none
     prompt_logprobs: int | None = None  # the same for each prompt token from the second on; None: none
-    copy_of: int | None = None  # the batch index of an item with the same prompt: copy its KV, sample its row
+    copy_of: int | None = None  # the batch index of an item with the same prompt: share its KV, sample its row
     cached: int = 0  # the prompt's first tokens whose KV the slot holds already: they do not run
 
     @property
@@ -124,12 +124,12 @@ class ModelRunner:
             rows, features = self.model.final_hidden(self.model.build_batch(chunks)), [None] * len(chunks)
             to_logits = self.model.logits
         logits, prompt_logprobs = _prompt_logprobs(rows, [items[b] for b in runs], to_logits)  # [runs, vocab]
-        if len(runs) < len(items):  # samples of one prompt: its KV copied, its row repeated
+        if len(runs) < len(items):  # samples of one prompt: its KV shared, its row repeated
             run_of = {b: r for r, b in enumerate(runs)}
             rows = [run_of[b if i.copy_of is None else i.copy_of] for b, i in enumerate(items)]
             for item in items:
                 if item.copy_of is not None:
-                    self.model.kv_cache.copy_positions(items[item.copy_of].slot, item.slot, 0, len(item.prompt_ids))
+                    self.model.kv_cache.share_prefix(items[item.copy_of].slot, item.slot, len(item.prompt_ids))
             logits = logits[self._long(rows)]  # [B, vocab]
             features = [features[r] for r in rows]
             prompt_logprobs = [prompt_logprobs[run_of[b]] if b in run_of else None for b in range(len(items))]

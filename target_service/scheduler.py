@@ -1,18 +1,19 @@
 """The target's scheduler: the waiting queue, the running batch, admission and the KV slots.
 
 A sequence is admitted with a slot and the KV blocks of its prompt and one step's growth; before
-each step every running sequence gets the blocks that step may write. Blocks that finished
-sequences keep for the prefix cache are taken back first, the oldest first. When the pool is still
-short, the newest running sequence is preempted: it frees its slot (keeping its tokens for the
-prefix cache) and waits at the head of the queue; re-admitted, it recomputes the KV its new slot
-lacks in its next verify step (`Sequence.replay_from`), and nothing else about it changes.
+each step every running sequence gets the blocks that step may write. Free blocks that cache a
+prefix give way first, the least recently used first. When the pool is still short, the newest
+running sequence is preempted: it frees its slot (its full blocks stay cached) and waits at the
+head of the queue; re-admitted, it recomputes the KV its new slot lacks in its next verify step
+(`Sequence.replay_from`), and nothing else about it changes.
 
 A request's n samples wait, and are admitted, together: their prefill is shared (one forward, the
-prompt's KV copied to the other samples' slots). A new sequence's slot may already hold the KV of
-its prompt's first tokens (tandem/prefix_cache.py). A sequence is WAITING from submit to
-admission, RUNNING while it holds a KV slot, and FINISHED once its slot is freed. A running
-sequence whose finish reason is set keeps its slot until the step that used it has published its
-tokens: `release_finished` then frees it.
+prompt's full blocks shared with the other samples' slots). A new sequence's slot may already hold
+the KV of its prompt's first blocks (tandem/prefix_cache.py); before each step, the blocks that the
+last step filled are cached. A sequence is WAITING from submit to admission, RUNNING while it
+holds a KV slot, and FINISHED once its slot is freed. A running sequence whose finish reason is
+set keeps its slot until the step that used it has published its tokens: `release_finished` then
+frees it.
 """
 from __future__ import annotations
 
@@ -89,15 +90,22 @@ class Scheduler:
 
     def _fits(self, group: list[Sequence]) -> bool:
         """Whether the next step can admit this group whole: its slots, and its blocks from the free
-        ones and those kept for the prefix cache."""
-        blocks = self.kv_cache.num_free_blocks + self.prefix_cache.kept_blocks
-        return self._free_capacity() >= len(group) and sum(map(self._blocks_needed, group)) <= blocks
+        ones (a cached prefix it finds is counted as needed: a bound)."""
+        return (self._free_capacity() >= len(group)
+                and sum(map(self._blocks_needed, group)) <= self.kv_cache.num_free_blocks)
 
-    def schedule(self) -> ScheduledBatch:
-        """Give the running sequences their blocks (preempting when short), then admit what fits; the
-        live running sequences, and the preempted ones readmitted, decode or verify."""
-        self._grow([s for s in self.running if s.finish is None])
-        admitted = self._admit()
+    def schedule(self, full_prefills: bool = False) -> ScheduledBatch:
+        """Cache the blocks the last step filled, give the running sequences their blocks (preempting
+        when short), then admit what fits; the live running sequences, and the preempted ones
+        readmitted, decode or verify.
+
+        full_prefills: the prefills run every prompt position (the drafter reads their features), so
+        new sequences take no cached prefix."""
+        live = [s for s in self.running if s.finish is None]
+        for seq in live:
+            self._cache_blocks(seq)
+        self._grow(live)
+        admitted = self._admit(full_prefills)
         decodes = [s for s in self.running if s.finish is None and s not in admitted]
         return ScheduledBatch(prefills=[s for s in admitted if s.replay_from is None],
                               decodes=decodes + [s for s in admitted if s.replay_from is not None])
@@ -117,24 +125,25 @@ class Scheduler:
         for seq in finished:
             self.running.remove(seq)
             # Its KV holds every committed token but the last; an aborted one may have lost a step.
-            kept = seq.token_ids[:-1] if seq.finish in (FinishReason.STOP, FinishReason.LENGTH) else []
-            self.prefix_cache.release(seq.slot, kept)
+            if seq.finish in (FinishReason.STOP, FinishReason.LENGTH):
+                self._cache_blocks(seq)
+            self.prefix_cache.release(seq.slot)
             seq.slot = None
             self._forget(seq)
         self.metrics.running.set(len(self.running))
         return finished
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self, full_prefills: bool) -> list[Sequence]:
         admitted = []
         while self.can_admit():
             for seq in self._next_group():
                 if seq.num_generated:  # preempted: its committed tokens, of which its new slot may hold some
                     seq.slot, seq.replay_from = self.prefix_cache.allocate(seq.token_ids)
                 else:
-                    seq.slot, seq.cached_tokens = self.prefix_cache.allocate(seq.prompt_ids)
+                    reuse = not full_prefills and seq.options.prompt_logprobs is None  # else every position runs
+                    seq.slot, seq.cached_tokens = self.prefix_cache.allocate(seq.prompt_ids, reuse)
                     seq.admitted_at = time.perf_counter()
                     self.metrics.queue_time.observe(seq.admitted_at - seq.arrival)
-                self.prefix_cache.make_room(self._blocks_needed(seq) - self.kv_cache.num_blocks_of(seq.slot))
                 self.kv_cache.reserve(seq.slot, self._positions_needed(seq))
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
@@ -158,22 +167,28 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence) -> bool:
         short = self._blocks_needed(seq) - self.kv_cache.num_blocks_of(seq.slot)
-        self.prefix_cache.make_room(short)
         if short > self.kv_cache.num_free_blocks:
             return False
         self.kv_cache.reserve(seq.slot, self._positions_needed(seq))
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's slot, its KV kept for the prefix cache, and queue it first."""
+        """Free a running sequence's slot, its full blocks cached, and queue it first."""
         self.running.remove(seq)
-        self.prefix_cache.release(seq.slot, seq.token_ids[:-1])
+        self._cache_blocks(seq)
+        self.prefix_cache.release(seq.slot)
         seq.slot = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.metrics.preemptions.inc()
         self.metrics.waiting.set(len(self.waiting))
         self.metrics.running.set(len(self.running))
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Cache the full blocks of the sequence's KV: every committed token but the last, or, before
+        its replay has run, the tokens its slot was admitted with."""
+        computed = len(seq.token_ids) - 1 if seq.replay_from is None else seq.replay_from
+        self.prefix_cache.cache_blocks(seq.slot, seq.token_ids, computed)
 
     def _positions_needed(self, seq: Sequence) -> int:
         """The positions the sequence's next step may write: its tokens, the prefill's token or

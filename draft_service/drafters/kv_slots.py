@@ -14,7 +14,7 @@ outcome); after `settle` it is spare. The same sequence's next pre-drafts reuse 
 first (only the positions that changed are copied again), other sequences' take them when no slot
 is free, and only an Open takes a live one.
 
-Every slot comes from a prefix cache (tandem/prefix_cache.py): a closed sequence's slots keep their
+Every slot comes from a prefix cache (slot_prefix_cache.py): a closed sequence's slots keep their
 tokens, and a sequence's first catch-up (`adopt`) moves it to the free slot holding the longest
 prefix of its tokens, so that the next turn of a conversation prefills only what is new. Opens and
 scratch slots take a slot that keeps nothing, else the one kept longest. An
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from draft_service.drafter import SeqKey
 from tandem.model.kv_cache import CacheFullError, KVCache
-from tandem.prefix_cache import PrefixCache
+from draft_service.drafters.slot_prefix_cache import SlotPrefixCache
 
 
 @dataclass(slots=True)
@@ -59,7 +59,7 @@ class SlotTable:
 
     def __init__(self, kv_cache: KVCache, prefix_caching: bool = True):
         self._kv = kv_cache
-        self._cache = PrefixCache(kv_cache, prefix_caching)
+        self._cache = SlotPrefixCache(kv_cache, prefix_caching)
         self._sequences: dict[SeqKey, SequenceSlots] = {}
 
     def open(self, key: SeqKey) -> None:

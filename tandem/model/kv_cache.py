@@ -4,12 +4,11 @@ from __future__ import annotations
 import torch
 
 from tandem.config import ModelConfig
+from tandem.model.block_pool import BlockPool, CacheFullError
+
+__all__ = ["BLOCK_SIZE", "CacheFullError", "KVCache"]
 
 BLOCK_SIZE = 16  # positions per KV block, as in vLLM; the native decoder's K blocks are this wide
-
-
-class CacheFullError(RuntimeError):
-    """Every KV slot, or every KV block, is taken."""
 
 
 class KVCache:
@@ -23,7 +22,9 @@ class KVCache:
 
     `block_tables` [slots, max_blocks] int32 maps a slot's position p to block
     block_tables[slot, p // BLOCK_SIZE]; every attention path reads K and V through it. A slot
-    gets blocks as it grows (`reserve`); freeing it returns the blocks past what it keeps.
+    gets blocks as it grows (`reserve`); freeing it returns the blocks past what it keeps. Slots
+    may hold the same block (`attach`, `share_prefix`): the pool counts them (block_pool.py), and
+    a shared block is one whose positions no holder writes again.
 
     With `spare_slot`, there is one more slot, `padding_slot`, that allocate() never hands out,
     with one block of its own: the padding rows of static-shape steps (static_steps.py) write their
@@ -60,7 +61,7 @@ class KVCache:
         self.max_len = max_len
         self._bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
         self._free = list(range(num_slots - 1, -1, -1))
-        self._free_blocks = list(range(self.num_blocks - 1, -1, -1))
+        self.pool = BlockPool(self.num_blocks)
         slots = num_slots + (1 if spare_slot else 0)
         self._tables: list[list[int]] = [[] for _ in range(slots)]
         # Unused entries point at block 0: attention never reads past a query's position.
@@ -80,15 +81,16 @@ class KVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        return self.pool.num_free
 
     @property
     def usage(self) -> float:
         """The share of the pool's blocks held by allocated slots (a freed slot's kept blocks are not
         counted: they hold cached prefixes that give way when blocks run short)."""
         free = set(self._free)
-        held = sum(len(table) for slot, table in enumerate(self._tables[: self.num_slots]) if slot not in free)
-        return held / self.num_blocks
+        held = {block for slot, table in enumerate(self._tables[: self.num_slots]) if slot not in free
+                for block in table}
+        return len(held) / self.num_blocks
 
     def allocate(self) -> int:
         if not self._free:
@@ -113,7 +115,7 @@ class KVCache:
         """Return the slot's blocks past those that hold its first `keep` positions to the pool."""
         table = self._tables[slot]
         kept = -(-keep // BLOCK_SIZE)
-        self._free_blocks.extend(reversed(table[kept:]))
+        self.pool.release(reversed(table[kept:]))  # its last blocks are evicted first
         del table[kept:]
 
     def blocks_for(self, positions: int) -> int:
@@ -133,11 +135,35 @@ class KVCache:
         needed = self.blocks_for(length) - len(table)
         if needed <= 0:
             return
-        if needed > len(self._free_blocks):
-            raise CacheFullError(f"{needed} KV blocks needed, {len(self._free_blocks)} free")
-        new = [self._free_blocks.pop() for _ in range(needed)]
-        self.block_tables[slot, len(table) : len(table) + needed] = torch.tensor(new, dtype=torch.int32)
-        table.extend(new)
+        self._append(slot, self.pool.take(needed))
+
+    def attach(self, slot: int, blocks: list[int]) -> None:
+        """The slot, holding no blocks, holds these (a cached prefix) for its first positions."""
+        if self._tables[slot]:
+            raise ValueError(f"slot {slot} already holds blocks")
+        for block in blocks:
+            self.pool.hold(block)
+        self._append(slot, blocks)
+
+    def share_prefix(self, source: int, dest: int, length: int) -> None:
+        """Slot `dest` gets the KV of slot `source`'s positions [0, length): their full blocks are
+        shared (neither slot writes them again), the last partial block is copied."""
+        self.reserve(dest, length)
+        full = length // BLOCK_SIZE
+        src, dst = self._tables[source], self._tables[dest]
+        differ = [i for i in range(full) if dst[i] != src[i]]
+        for i in differ:
+            self.pool.hold(src[i])
+        self.pool.release([dst[i] for i in differ])
+        dst[:full] = src[:full]
+        self.block_tables[dest, :full] = self.block_tables[source, :full]
+        if length > full * BLOCK_SIZE:
+            self.copy_positions(source, dest, full * BLOCK_SIZE, length)
+
+    def _append(self, slot: int, blocks: list[int]) -> None:
+        table = self._tables[slot]
+        self.block_tables[slot, len(table) : len(table) + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        table.extend(blocks)
 
     def block_table(self, slot: int) -> list[int]:
         """The slot's blocks, in position order."""

@@ -164,3 +164,34 @@ def test_interleaved_blocks_read_like_contiguous_ones(model):
     torch.testing.assert_close(torch.stack([s[1] for s in steps]), _full(model, b, slot=2)[10:], atol=ATOL, rtol=ATOL)
     alone = model.run([SequenceChunk(slot=0, start=39, token_ids=[a[39]])])  # one sequence, scattered blocks
     torch.testing.assert_close(alone[0], steps[-1][0], atol=ATOL, rtol=ATOL)
+
+
+def test_a_shared_prefix_continues_like_the_original(model):
+    """Slot 2 shares slot 0's two full blocks and copies its partial third; each then writes only its
+    own blocks, so each continues as a fresh slot with the same tokens does."""
+    prefix, more, other = _tokens(37, 13), _tokens(5, 14), _tokens(5, 15)
+    kv = model.kv_cache
+    model.run([SequenceChunk(slot=0, start=0, token_ids=prefix)])
+    model.run([SequenceChunk(slot=2, start=0, token_ids=_tokens(30, 10))])  # blocks of its own, replaced
+    kv.share_prefix(source=0, dest=2, length=len(prefix))
+    assert kv.block_table(2)[:2] == kv.block_table(0)[:2] and kv.block_table(2)[2] != kv.block_table(0)[2]
+    assert [kv.pool.refs(b) for b in kv.block_table(2)[:3]] == [2, 2, 1]
+    model.run([SequenceChunk(slot=2, start=len(prefix), token_ids=other)])
+    original = model.run([SequenceChunk(slot=0, start=len(prefix), token_ids=more, num_logits=5)])
+    fresh = _full(model, prefix + more, slot=1)[len(prefix):]
+    torch.testing.assert_close(original, fresh, atol=ATOL, rtol=ATOL)
+    shared = model.run([SequenceChunk(slot=2, start=len(prefix), token_ids=more, num_logits=5)])
+    assert torch.equal(shared, original)
+
+
+def test_a_shared_block_goes_back_to_the_pool_when_its_last_holder_frees_it():
+    cache = KVCache(SHAPES["tiny"], num_slots=2, max_len=64, dtype=torch.float32, device=torch.device("cpu"),
+                    num_blocks=4)
+    a, b = cache.allocate(), cache.allocate()
+    cache.reserve(a, 20)
+    cache.share_prefix(a, b, 20)
+    assert cache.num_free_blocks == 1 and cache.usage == 3 / 4  # one shared block, a tail each
+    cache.free(a)
+    assert cache.num_free_blocks == 2 and cache.pool.refs(cache.block_table(b)[0]) == 1
+    cache.free(b)
+    assert cache.num_free_blocks == 4

@@ -1,44 +1,74 @@
-"""Prefix caching over KV slots: which slot a prompt gets and how much of it is cached (the target's
-scheduler and the model drafter's slot table allocate through it)."""
+"""The target's prefix cache: full blocks found by the hash chained over their tokens."""
 from __future__ import annotations
 
 import torch
 
-from tandem.model.kv_cache import KVCache
+from tandem.model.kv_cache import BLOCK_SIZE, KVCache
 from tandem.model.random_weights import SHAPES
-from tandem.prefix_cache import PrefixCache
+from tandem.prefix_cache import PrefixCache, block_hashes
+
+TOKENS = list(range(100, 150))  # three full blocks and two tokens
 
 
-def _cache(num_slots: int = 3, enabled: bool = True) -> PrefixCache:
-    return PrefixCache(KVCache(SHAPES["tiny"], num_slots, 32, torch.float32, torch.device("cpu")), enabled)
+def _cache(num_blocks: int = 12, enabled: bool = True) -> PrefixCache:
+    kv = KVCache(SHAPES["tiny"], 4, 64, torch.float32, torch.device("cpu"), num_blocks=num_blocks)
+    return PrefixCache(kv, enabled)
 
 
-def test_a_prompt_takes_the_slot_holding_its_longest_prefix():
+def _run(cache: PrefixCache, tokens: list[int], computed: int) -> int:
+    """A slot that holds the KV of the tokens' first `computed`, with its full blocks cached."""
+    slot, _ = cache.allocate(tokens)
+    cache.kv_cache.reserve(slot, len(tokens))
+    cache.cache_blocks(slot, tokens, computed)
+    return slot
+
+
+def _found(cache: PrefixCache, tokens: list[int], reuse: bool = True) -> int:
+    """How many of the tokens a new slot finds cached (the slot is released again)."""
+    slot, cached = cache.allocate(tokens, reuse)
+    cache.release(slot)
+    return cached
+
+
+def test_each_block_hash_covers_every_token_before_it():
+    hashes = block_hashes(TOKENS)
+    assert len(hashes) == 3 and len(set(hashes)) == 3
+    assert block_hashes(TOKENS[:32]) == hashes[:2]
+    changed = [TOKENS[0] + 1, *TOKENS[1:]]
+    assert not set(block_hashes(changed)) & set(hashes), "a changed first token changes every later hash"
+
+
+def test_a_prompt_finds_the_longest_run_of_cached_blocks_that_starts_it():
     cache = _cache()
-    slots = [cache.allocate([9])[0] for _ in range(3)]
-    cache.release(slots[0], [1, 2, 3, 4, 5])
-    cache.release(slots[1], [1, 2, 7])
-    assert cache.allocate([1, 2, 3, 4, 8, 8]) == (slots[0], 4)
-    cache.release(slots[0], [1, 2, 3, 4, 5])
-    assert cache.allocate([1, 2, 3, 4, 5]) == (slots[0], 4), "the last prompt token runs, for its logits"
-    cache.release(slots[2], [])
-    assert cache.allocate([30, 31]) == (slots[2], 0), "a miss takes a slot that keeps nothing"
-    assert cache.allocate([40]) == (slots[1], 0), "then the slot freed longest ago"
-    assert cache.kv_cache.num_free_slots == 0
+    first = _run(cache, TOKENS, len(TOKENS))
+    slot, cached = cache.allocate(TOKENS[:40] + [7] * 10)
+    assert cached == 32 and cache.kv_cache.block_table(slot)[:2] == cache.kv_cache.block_table(first)[:2]
+    diverged = TOKENS[:16] + [7] * 16 + TOKENS[32:]
+    assert _found(cache, diverged) == 16, "a later block after a miss is not found"
+    assert _found(cache, TOKENS[:48]) == 32, "the last prompt token runs: its block is not found"
+    assert _found(cache, TOKENS[:49]) == 48
 
 
-def test_without_prefix_caching_nothing_is_kept():
-    cache = _cache(1, enabled=False)
-    slot, _ = cache.allocate([1, 2, 3])
-    cache.release(slot, [1, 2, 3])
-    assert cache.allocate([1, 2, 3, 4]) == (slot, 0)
+def test_only_blocks_whose_kv_is_computed_are_cached():
+    cache = _cache()
+    slot = _run(cache, TOKENS, 20)
+    assert _found(cache, TOKENS) == 16
+    cache.cache_blocks(slot, TOKENS, 48)
+    assert _found(cache, TOKENS) == 48
 
 
-def test_an_empty_prompt_takes_a_slot_that_keeps_nothing_and_finds_nothing_cached():
-    """The drafter opens a sequence before it knows its tokens."""
-    cache = _cache(2)
-    kept, _ = cache.allocate([1])
-    cache.release(kept, [1, 2, 3])
-    slot, cached = cache.allocate([])
-    assert slot != kept and cached == 0
-    assert cache.allocate([1, 2, 3, 4]) == (kept, 3)
+def test_a_released_slots_blocks_stay_cached_until_the_pool_needs_them():
+    cache = _cache(num_blocks=4)
+    cache.release(_run(cache, TOKENS, len(TOKENS)))  # four blocks: three cached, one not
+    assert _found(cache, TOKENS) == 48
+    cache.kv_cache.reserve(cache.allocate([])[0], 2 * BLOCK_SIZE)  # the uncached block, then the last block
+    assert cache.kv_cache.pool.num_cached == 2 and _found(cache, TOKENS) == 32, "the first blocks are evicted last"
+
+
+def test_without_reuse_or_with_caching_off_nothing_is_found():
+    cache = _cache()
+    _run(cache, TOKENS, len(TOKENS))
+    assert _found(cache, TOKENS, reuse=False) == 0
+    off = _cache(enabled=False)
+    _run(off, TOKENS, len(TOKENS))
+    assert _found(off, TOKENS) == 0 and off.kv_cache.pool.num_cached == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,9 +29,12 @@ from tandem.v1 import drafter_pb2
 
 PROMPT = (1, 2, 3)
 OTHER_PROMPT = (4, 5, 6, 7)
+LONG_PROMPT = tuple(range(30, 50))  # one full KV block and four positions of the next
+BLOCK_PROMPT = LONG_PROMPT[:16]  # one full block
 # The target's greedy continuation of each prompt: T[i] is the token at position len(prompt) + i.
 T = (10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25)
-CONTINUATIONS = {PROMPT: T, OTHER_PROMPT: tuple(t + 100 for t in T)}
+CONTINUATIONS = {PROMPT: T, OTHER_PROMPT: tuple(t + 100 for t in T), LONG_PROMPT: tuple(t + 200 for t in T),
+                 BLOCK_PROMPT: tuple(t + 300 for t in T)}
 N = len(PROMPT) + 1  # committed after the prefill: the prompt and T[0]
 MAX_K = 4
 VOCAB = 1000
@@ -51,8 +55,9 @@ class ScriptedRunner:
     Verification accepts drafts while they equal the continuation, then adds its next token.
     """
 
-    def __init__(self, events: list):
+    def __init__(self, events: list, prompt_of: Callable[[int], tuple[int, ...]]):
         self.events = events
+        self.prompt_of = prompt_of  # slot -> the prompt of the sequence running in it
         self.verified: list[list[VerifyItem]] = []  # the items of every verify call
         self.prefilled: list[list[PrefillItem]] = []  # the items of every prefill call
         self.prompts: dict[int, tuple[int, ...]] = {}  # slot -> the prompt last prefilled into it
@@ -68,8 +73,8 @@ class ScriptedRunner:
         return [self._verify(item) for item in items]
 
     def _verify(self, item: VerifyItem) -> Verified:
-        if item.replay and item.length - 1 - len(item.replay) == 0:  # readmitted into a slot that held nothing
-            self.prompts[item.slot] = next(p for p in CONTINUATIONS if item.replay[: len(p)] == p)
+        if item.replay:  # readmitted after a preemption, into any slot
+            self.prompts[item.slot] = self.prompt_of(item.slot)
         prompt = self.prompts[item.slot]
         ahead = CONTINUATIONS[prompt][item.length - len(prompt):]
         drafts = item.drafts.tokens if item.drafts else ()
@@ -143,7 +148,6 @@ def make():
               **config) -> Harness:
         config.setdefault("draft_wait_ms", 0)
         events: list = []
-        runner = ScriptedRunner(events)
         link = FakeLink(events, max_k=max_k)
         target_config, metrics = TargetConfig(**config), TargetMetrics("test")
         speculator = Speculator(speculation_policy(target_config), metrics, vocab_size=VOCAB, max_len=max_len,
@@ -151,6 +155,8 @@ def make():
         cache = KVCache(SHAPES["tiny"], num_slots, max_len, torch.float32, torch.device("cpu"), num_blocks=kv_blocks)
         scheduler = Scheduler(cache, target_config.max_num_seqs, target_config.max_queue, metrics,
                               target_config.prefix_caching)
+        runner = ScriptedRunner(events, lambda slot: tuple(
+            next(s for s in scheduler.running if s.slot == slot).prompt_ids))
         engine = Engine(runner, scheduler, speculator, FakeTokenizer(), target_config, metrics)
         engines.append(engine)
         return Harness(engine, runner, link, events)
@@ -475,21 +481,53 @@ async def test_sequences_are_admitted_by_free_kv_blocks_not_by_slots(make):
     assert seqs[4].status is SequenceStatus.RUNNING and seqs[4].token_ids[: N] == [*PROMPT, T[0]]
 
 
-async def test_blocks_kept_for_the_prefix_cache_give_way_to_new_sequences(make):
-    """A finished sequence's slot keeps its block for the prefix cache; when two new sequences need
-    the pool's two blocks, the kept one is taken back and the prefix forgotten."""
+async def test_a_prompt_finds_the_full_blocks_another_sequence_computed_and_shares_them(make):
+    """Once a running sequence's first block is full, a request with the same prompt holds that block
+    too: it prefills only the rest, and the pool counts the block once."""
+    h = make(num_slots=4, max_len=64)
+    first = h.submit(LONG_PROMPT, max_tokens=12)
+    await h.engine.step()
+    second = h.submit(LONG_PROMPT, max_tokens=12)
+    await h.engine.step()
+    assert (first.cached_tokens, second.cached_tokens) == (0, 16)
+    assert [(i.cached, len(i.prompt_ids)) for items in h.runner.prefilled for i in items] == [(0, 20), (16, 20)]
+    kv = h.engine.scheduler.kv_cache
+    assert kv.block_table(first.slot)[0] == kv.block_table(second.slot)[0]
+    assert kv.block_table(first.slot)[1] != kv.block_table(second.slot)[1]
+    held = {block for s in (first, second) for block in kv.block_table(s.slot)}
+    assert kv.usage == len(held) / kv.num_blocks and len(held) == kv.num_blocks_of(first.slot) * 2 - 1
+
+
+async def test_only_full_blocks_before_the_last_prompt_token_are_found(make):
+    """A prompt of one block finds nothing (its last token runs, for its logits); a longer prompt with
+    the same first block finds that block."""
+    h = make(num_slots=4, max_len=64)
+    for prompt, cached in ((BLOCK_PROMPT, 0), (BLOCK_PROMPT, 0), (LONG_PROMPT, 16)):
+        seq = h.submit(prompt, max_tokens=12)
+        while seq.status is not SequenceStatus.FINISHED:
+            await h.engine.step()
+        assert seq.cached_tokens == cached
+
+
+async def test_cached_blocks_give_way_to_new_sequences(make):
+    """A finished sequence's full block stays cached while free; when two new sequences need the
+    pool's two blocks, it is taken last, and its prefix forgotten."""
     h = make(num_slots=4, max_len=64, kv_blocks=2)
-    first = h.submit(OTHER_PROMPT, max_tokens=2)
+    first = h.submit(LONG_PROMPT, max_tokens=2)
     while first.status is not SequenceStatus.FINISHED:
         await h.engine.step()
-    scheduler = h.engine.scheduler
-    assert scheduler.prefix_cache.kept_blocks == 1 and scheduler.kv_cache.num_free_blocks == 1
-    a, b = h.submit(max_tokens=12), h.submit(max_tokens=12)
+    kv = h.engine.scheduler.kv_cache
+    assert kv.pool.num_cached == 1 and kv.num_free_blocks == 2
+    a = h.submit(max_tokens=12)
+    await h.engine.step()
+    assert kv.pool.num_cached == 1, "the block that caches nothing is taken first"
+    b = h.submit(max_tokens=12)
     await h.engine.step()
     assert a.status is b.status is SequenceStatus.RUNNING
-    assert scheduler.prefix_cache.kept_blocks == 0 and scheduler.kv_cache.num_free_blocks == 0
-    again = h.submit(OTHER_PROMPT, max_tokens=2)
+    assert kv.pool.num_cached == 0 and kv.num_free_blocks == 0
+    again = h.submit(LONG_PROMPT, max_tokens=2)
     h.engine.abort(a)
+    h.engine.abort(b)
     await h.engine.step()
     await h.engine.step()
     assert again.status is not SequenceStatus.WAITING and again.cached_tokens == 0
@@ -519,27 +557,24 @@ async def test_a_request_that_needs_more_blocks_than_the_cache_has_to_start_is_r
     assert "need 144 KV positions to start; the cache holds 64 (--kv-cache-tokens)" in str(refused.value)
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True], ids=["recomputed", "kept"])
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["recomputed", "cached"])
 async def test_a_sequence_short_of_blocks_is_preempted_and_resumes_with_the_same_tokens(make, prefix_caching):
-    """Three blocks for two sequences that each end up needing two: the newest is preempted when the
-    pool runs dry, waits while the other finishes, and resumes. Without the prefix cache its new slot
-    holds nothing, so its next verify runs its committed tokens again in front; with it, the slot
-    it left kept them (the finished one's kept blocks give way instead) and nothing is recomputed."""
-    h = make(num_slots=4, max_len=64, kv_blocks=3, prefix_caching=prefix_caching)
-    a, b = h.submit(PROMPT, max_tokens=16), h.submit(OTHER_PROMPT, max_tokens=16)
+    """Four blocks for two sequences that end up needing two and three: the newest is preempted when
+    the pool runs dry, waits while the other finishes, and resumes. Its next verify runs again, in
+    front, the committed tokens whose KV its new slot lacks: all of them without the prefix cache;
+    with it, only those past its first block, which stayed cached."""
+    h = make(num_slots=4, max_len=64, kv_blocks=4, prefix_caching=prefix_caching)
+    a, b = h.submit(PROMPT, max_tokens=16), h.submit(LONG_PROMPT, max_tokens=16)
     for _ in range(60):
         if a.status is b.status is SequenceStatus.FINISHED:
             break
         await h.engine.step()
-    assert a.token_ids == [*PROMPT, *T] and b.token_ids == [*OTHER_PROMPT, *CONTINUATIONS[OTHER_PROMPT]]
+    assert a.token_ids == [*PROMPT, *T] and b.token_ids == [*LONG_PROMPT, *CONTINUATIONS[LONG_PROMPT]]
     assert h.count("tandem_num_preemptions_total") == 1
-    replayed = [i for items in h.runner.verified for i in items if i.replay]
-    if prefix_caching:
-        assert replayed == []
-    else:
-        [item] = replayed
-        assert item.length - 1 == len(item.replay) > len(OTHER_PROMPT)
-        assert list(item.replay) == b.token_ids[: len(item.replay)]
+    [item] = [i for items in h.runner.verified for i in items if i.replay]
+    held = 16 if prefix_caching else 0
+    assert item.length - 1 - len(item.replay) == held and len(item.replay) > 0
+    assert list(item.replay) == b.token_ids[held : held + len(item.replay)]
 
 
 # ---- reconnect ----------------------------------------------------------------------------------------

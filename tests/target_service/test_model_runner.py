@@ -211,11 +211,14 @@ def test_prompt_logprobs_score_each_prompt_token_after_the_ones_before_it(runner
 
 
 def test_samples_of_one_prompt_share_its_prefill_and_continue_as_if_each_had_run_it(runner):
-    """A copy_of item runs no prompt: it takes the first item's KV and logits row, and samples with its
-    own seed. Its first token, and every decode step after, is what a prefill of its own gives."""
-    prompt, samplings = list(range(3, 14)), [Sampling(temperature=1.0, seed=s) for s in (11, 12, 13)]
+    """A copy_of item runs no prompt: it shares the first item's full KV blocks, copies its partial one,
+    takes its logits row, and samples with its own seed. Its first token, and every decode step after,
+    is what a prefill of its own gives."""
+    prompt, samplings = list(range(3, 30)), [Sampling(temperature=1.0, seed=s) for s in (11, 12, 13)]
     shared = runner.prefill([PrefillItem(0, prompt, samplings[0]), PrefillItem(1, prompt, samplings[1], copy_of=0),
                              PrefillItem(2, prompt, samplings[2], copy_of=0)])
+    tables = [runner.model.kv_cache.block_table(slot)[:2] for slot in (0, 1, 2)]
+    assert len({t[0] for t in tables}) == 1 and len({t[1] for t in tables}) == 3
     own = [runner.prefill([PrefillItem(3, prompt, sampling)])[0] for sampling in samplings]
     assert [r.tokens for r in shared] == [r.tokens for r in own]
     greedy = Sampling()

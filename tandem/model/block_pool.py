@@ -1,0 +1,76 @@
+"""The KV pool's blocks: which are free, how many slots hold each, and which hold a cached prefix.
+
+A block is held by every slot whose block table lists it (a reference count); it is free when none
+does. A full block of a prompt can be cached under the chained hash of its tokens
+(tandem/prefix_cache.py); it then stays cached while free, and a later slot that finds its hash
+holds it again instead of recomputing its KV. Taking a block for new KV takes the free blocks that
+cache nothing first, then the cached ones, the one freed longest ago first (least recently used),
+and forgets what they cached.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class CacheFullError(RuntimeError):
+    """Every KV slot, or every KV block, is taken."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # taken from the front
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}  # cached block -> its hash
+        self._block_of: dict[int, int] = {}  # hash -> the block caching it
+
+    @property
+    def num_free(self) -> int:
+        """Blocks no slot holds, cached ones included: those give way when taken."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    def take(self, count: int) -> list[int]:
+        """Blocks for new KV, each held once; what they cached is forgotten."""
+        if count > len(self._free):
+            raise CacheFullError(f"{count} KV blocks needed, {len(self._free)} free")
+        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
+        for block in blocks:
+            self._refs[block] = 1
+            block_hash = self._hash_of.pop(block, None)
+            if block_hash is not None:
+                del self._block_of[block_hash]
+        return blocks
+
+    def hold(self, block: int) -> None:
+        """One more slot holds the block (a cached prefix found, or a prefix shared)."""
+        if self._refs[block] == 0:
+            del self._free[block]
+        self._refs[block] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """A slot lets go of the blocks, given in the order they should be evicted when free."""
+        for block in blocks:
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
+            self._free[block] = None
+            if block not in self._hash_of:  # caches nothing: the first to take
+                self._free.move_to_end(block, last=False)
+
+    def cached(self, block_hash: int) -> int | None:
+        """The block caching this hash, if any."""
+        return self._block_of.get(block_hash)
+
+    def cache(self, block: int, block_hash: int) -> None:
+        """The block's KV is that of the tokens with this hash; a hash already cached keeps its block."""
+        if block_hash not in self._block_of and block not in self._hash_of:
+            self._block_of[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
