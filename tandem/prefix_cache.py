@@ -8,6 +8,9 @@ turn of a conversation, or every request with the same system prompt, holds thos
 the slots that computed them and prefills only the rest. Cached blocks that no slot holds stay in
 the pool's free blocks until new KV needs them, the least recently used first (block_pool.py).
 
+Each block cached and each one evicted is recorded in `events` (tandem/kv_events.py), which the
+target publishes to gateways that route on exact prefixes.
+
 A block is found only when it lies wholly before the prompt's last token, which always runs, for
 its logits; so a slot never writes a position of a block it found, and the blocks it writes are
 its own. The key is the tokens alone: the service holds one model, and the decoders' rows do not
@@ -20,15 +23,17 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+from tandem.kv_events import BlocksStored, KvEventLog
 from tandem.model.kv_cache import BLOCK_SIZE, KVCache
 
 ROOT_HASH = 0  # the parent of a sequence's first block
 
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:
-    """The hash of a block of tokens following the prefix whose last block hashed to `parent`."""
-    data = parent.to_bytes(8, "little") + array("q", tokens).tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    """The hash of a block of tokens following the prefix whose last block hashed to `parent`: a
+    signed 64-bit integer, as KV events carry it."""
+    data = parent.to_bytes(8, "little", signed=True) + array("q", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def block_hashes(tokens: Sequence[int]) -> list[int]:
@@ -44,6 +49,8 @@ class PrefixCache:
     def __init__(self, kv_cache: KVCache, enabled: bool = True):
         self.kv_cache = kv_cache
         self.enabled = enabled
+        self.events = KvEventLog()
+        kv_cache.pool.events = self.events
         self._hashes: dict[int, list[int]] = {}  # allocated slot -> the hashes of its cached blocks
 
     def allocate(self, tokens: list[int], reuse: bool = True) -> tuple[int, int]:
@@ -69,11 +76,23 @@ class PrefixCache:
         if not self.enabled or len(hashes) == computed // BLOCK_SIZE:
             return
         table = self.kv_cache.block_table(slot)
-        parent = hashes[-1] if hashes else ROOT_HASH
+        stored: BlocksStored | None = None  # the run of newly cached blocks being recorded
         for i in range(len(hashes), computed // BLOCK_SIZE):
-            parent = block_hash(parent, tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
-            hashes.append(parent)
-            self.kv_cache.pool.cache(table[i], parent)
+            parent = hashes[-1] if hashes else None
+            block_tokens = tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+            hashes.append(block_hash(ROOT_HASH if parent is None else parent, block_tokens))
+            if not self.kv_cache.pool.cache(table[i], hashes[-1]):
+                stored = None  # another block caches this prefix: the run breaks
+            elif stored is None:
+                stored = BlocksStored(parent, [hashes[-1]], [block_tokens])
+                self.events.add(stored)
+            else:
+                stored.hashes.append(hashes[-1])
+                stored.token_ids.append(block_tokens)
+
+    def clear(self) -> None:
+        """Forget every cached block (a flush)."""
+        self.kv_cache.pool.clear_cached()
 
     def release(self, slot: int) -> None:
         """Free the slot; its cached blocks stay cached until the pool needs them."""

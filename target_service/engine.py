@@ -21,6 +21,7 @@ from kernels.random import sample_seed
 from target_service.config import TargetConfig
 from target_service.draft_plan import DraftPlan
 from target_service.errors import RequestError
+from target_service.kv_event_stream import KvEventStream
 from target_service.metrics import TargetMetrics
 from target_service.scheduler import Scheduler
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence
@@ -48,6 +49,7 @@ class Engine:
         self._work = asyncio.Event()
         self._accepting = True
         self._task: asyncio.Task | None = None
+        self.kv_events = KvEventStream()  # the prefix cache's events, published after each step
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -113,6 +115,7 @@ class Engine:
         for seq in list(self.scheduler.sequences.values()):
             self.abort(seq)  # a waiting one leaves the queue: the step loop must not prefill it
         self._release_finished()
+        self.kv_events.close()
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -135,8 +138,10 @@ class Engine:
                 self._release_finished()
 
     async def step(self) -> None:
-        """Prefill the admitted and emit their first tokens; then verify or decode the others."""
+        """Prefill the admitted and emit their first tokens; then verify or decode the others; then
+        publish the KV events of the step."""
         self._release_finished()
+        self.publish_kv_events()
         if self.scheduler.idle:
             self._work.clear()
             await self._work.wait()
@@ -156,6 +161,11 @@ class Engine:
             outputs = self._commit(plan.seqs, results)
             self.speculator.account(plan, results, outputs, seconds)
             await self._publish(plan.seqs, results, outputs, firsts)
+        self.publish_kv_events()
+
+    def publish_kv_events(self) -> None:
+        """Publish what the prefix cache stored and evicted since the last call, as one batch."""
+        self.kv_events.publish(self.scheduler.prefix_cache.events.take())
 
     async def _prefill(self, admitted: list[Sequence]) -> list[Verified]:
         """A request's first sample runs the prompt, past what its slot holds already (prefix caching);

@@ -5,12 +5,14 @@ does. A full block of a prompt can be cached under the chained hash of its token
 (tandem/prefix_cache.py); it then stays cached while free, and a later slot that finds its hash
 holds it again instead of recomputing its KV. Taking a block for new KV takes the free blocks that
 cache nothing first, then the cached ones, the one freed longest ago first (least recently used),
-and forgets what they cached.
+and forgets what they cached. With an event log, each block forgotten is recorded (kv_events.py).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+
+from tandem.kv_events import AllBlocksCleared, BlocksRemoved, KvEventLog
 
 
 class CacheFullError(RuntimeError):
@@ -24,6 +26,7 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, int] = {}  # cached block -> its hash
         self._block_of: dict[int, int] = {}  # hash -> the block caching it
+        self.events: KvEventLog | None = None  # where evictions are recorded, when someone publishes them
 
     @property
     def num_free(self) -> int:
@@ -39,11 +42,15 @@ class BlockPool:
         if count > len(self._free):
             raise CacheFullError(f"{count} KV blocks needed, {len(self._free)} free")
         blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
+        evicted = []
         for block in blocks:
             self._refs[block] = 1
             block_hash = self._hash_of.pop(block, None)
             if block_hash is not None:
                 del self._block_of[block_hash]
+                evicted.append(block_hash)
+        if evicted and self.events is not None:
+            self.events.add(BlocksRemoved(evicted))
         return blocks
 
     def hold(self, block: int) -> None:
@@ -66,11 +73,24 @@ class BlockPool:
         """The block caching this hash, if any."""
         return self._block_of.get(block_hash)
 
-    def cache(self, block: int, block_hash: int) -> None:
-        """The block's KV is that of the tokens with this hash; a hash already cached keeps its block."""
-        if block_hash not in self._block_of and block not in self._hash_of:
-            self._block_of[block_hash] = block
-            self._hash_of[block] = block_hash
+    def cache(self, block: int, block_hash: int) -> bool:
+        """The block's KV is that of the tokens with this hash; a hash already cached keeps its block.
+        True when the block is newly cached."""
+        if block_hash in self._block_of or block in self._hash_of:
+            return False
+        self._block_of[block_hash] = block
+        self._hash_of[block] = block_hash
+        return True
+
+    def clear_cached(self) -> None:
+        """Forget every cached hash; the blocks stay with their holders, or free."""
+        for block in self._hash_of:
+            if not self._refs[block]:
+                self._free.move_to_end(block, last=False)
+        self._hash_of.clear()
+        self._block_of.clear()
+        if self.events is not None:
+            self.events.add(AllBlocksCleared())
 
     def refs(self, block: int) -> int:
         return self._refs[block]

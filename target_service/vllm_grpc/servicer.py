@@ -160,17 +160,38 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 bundle.writestr(name, text)
         return buffer.getvalue()
 
+    # ---- the prefix cache -------------------------------------------------------------------
+
+    async def SubscribeKvEvents(self, request, context):
+        """The prefix cache's blocks stored and removed, one batch per step (target_service/kv_event_stream.py)."""
+        if not self.serving.config.prefix_caching:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no KV events: prefix caching is off "
+                                                                "(--no-prefix-caching)")
+        try:
+            batches = self.serving.engine.kv_events.subscribe(request.start_sequence_number)
+        except RequestError as err:
+            await context.abort(err.code, err.message)
+        async for batch in batches:
+            yield batch
+
+    async def FlushCache(self, request, context) -> common_pb2.FlushCacheResponse:
+        """Forget every cached prefix block once no request is in flight, waiting up to timeout_s for that."""
+        engine = self.serving.engine
+        deadline = time.monotonic() + max(0.0, request.timeout_s)
+        while not engine.scheduler.idle and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not engine.scheduler.idle:
+            in_flight = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+            return common_pb2.FlushCacheResponse(
+                success=False, message=f"{in_flight} request(s) in flight; flush when idle, or give timeout_s")
+        engine.scheduler.prefix_cache.clear()
+        engine.publish_kv_events()
+        return common_pb2.FlushCacheResponse(success=True, message="prefix cache flushed")
+
     # ---- what this engine does not serve ------------------------------------------------------
 
     async def Embed(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "embeddings are not served: this is a generation model")
-
-    async def SubscribeKvEvents(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published: there is no "
-                                                            "prefix cache to report on")
-
-    async def FlushCache(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "there is no prefix cache to flush")
 
     async def StartProfile(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not served over gRPC")

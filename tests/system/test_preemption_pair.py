@@ -2,6 +2,11 @@
 which recomputes its KV when readmitted, and every request still gives the target alone's tokens."""
 from __future__ import annotations
 
+import grpc
+import pytest
+from smg_grpc_proto import vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2
+
 from tandem.launch import ServiceProcess, free_port
 from tandem.metrics_scrape import metric, scrape
 from tests.support.service_fixtures import greedy_request, run_requests
@@ -13,17 +18,21 @@ PROMPTS = ["Count from one to forty in words, separated by commas.",
 MODES = ({}, {"temperature": 1.0, "seed": 11, "drafter_invariant": True})
 
 
-def test_preempted_sequences_recompute_their_kv_and_keep_the_target_alones_tokens(shared_drafter, tmp_path):
+@pytest.mark.parametrize("caching", [[], ["--no-prefix-caching"]], ids=["cached", "uncached"])
+def test_preempted_sequences_recompute_their_kv_and_keep_the_target_alones_tokens(shared_drafter, tmp_path, caching):
     """256 positions of KV (16 blocks) and 4 slots; each request may reach about 150 positions, so
-    four at once run the pool dry. No prefix cache: a preempted sequence's new slot holds nothing.
-    Greedy, and sampled in drafter-invariant mode (keyed by seed and position, bit-identical to the
-    target alone): both give each request's tokens alone, with speculation."""
+    four at once run the pool dry. With the prefix cache, prompts find the blocks of their runs alone
+    and a preempted sequence finds its full blocks again (unless evicted); without it, its new slot
+    holds nothing. Greedy, and sampled in drafter-invariant mode (keyed by seed and position,
+    bit-identical to the target alone): both give each request's tokens alone, with speculation."""
     target = ServiceProcess("target_service", [
         "--threads", "1", "--max-model-len", "256", "--kv-cache-tokens", "256", "--max-num-seqs", "4",
-        "--no-prefix-caching", "--drafter", shared_drafter.address],
+        *caching, "--drafter", shared_drafter.address],
         log_path=tmp_path / "target.log", http_port=free_port()).start()
     try:
         target.wait_healthy().wait_metric("tandem_drafter_connected", 1)
+        if caching:
+            _assert_no_kv_events(target.address)
         alone = run_requests(target.address, [_request(p, speculate=False, **mode) for mode in MODES for p in PROMPTS],
                              concurrency=1)
         assert metric(scrape(target.metrics_url), "tandem_num_preemptions_total") == 0
@@ -39,6 +48,16 @@ def test_preempted_sequences_recompute_their_kv_and_keep_the_target_alones_token
     assert sum(r.accepted_tokens for r in together) > 0, "speculation ran"
     for mine, reference in zip(together, alone):
         assert mine.token_ids == reference.token_ids
+
+
+def _assert_no_kv_events(address: str) -> None:
+    """Without a prefix cache there is nothing to publish: UNIMPLEMENTED, which the gateway takes as
+    'never subscribe again'."""
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            next(vllm_engine_pb2_grpc.VllmEngineStub(channel).SubscribeKvEvents(
+                common_pb2.SubscribeKvEventsRequest(), timeout=30))
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "--no-prefix-caching" in info.value.details()
 
 
 def _request(prompt: str, speculate: bool = True, **mode):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
 from tandem.model.kv_cache import BLOCK_SIZE, KVCache
 from tandem.model.random_weights import SHAPES
 from tandem.prefix_cache import PrefixCache, block_hashes
@@ -72,3 +73,31 @@ def test_without_reuse_or_with_caching_off_nothing_is_found():
     off = _cache(enabled=False)
     _run(off, TOKENS, len(TOKENS))
     assert _found(off, TOKENS) == 0 and off.kv_cache.pool.num_cached == 0
+
+
+def test_the_blocks_cached_evicted_and_cleared_are_recorded_as_kv_events():
+    cache = _cache(num_blocks=4)
+    cache.release(_run(cache, TOKENS, 20))  # one block's KV computed
+    slot = _run(cache, TOKENS, 48)  # finds it, computes two more
+    hashes = block_hashes(TOKENS)
+    assert cache.events.take() == [
+        BlocksStored(None, hashes[:1], [TOKENS[:16]]),
+        BlocksStored(hashes[0], hashes[1:3], [TOKENS[16:32], TOKENS[32:48]]),
+    ]
+    cache.release(slot)
+    cache.kv_cache.reserve(cache.allocate([])[0], 2 * BLOCK_SIZE)  # an uncached block, then the last cached one
+    assert cache.events.take() == [BlocksRemoved([hashes[2]])]
+    cache.clear()
+    assert cache.events.take() == [AllBlocksCleared()] and _found(cache, TOKENS) == 0
+
+
+def test_a_prefix_another_block_caches_already_breaks_the_run_of_stored_blocks():
+    """Two slots computed the same first block in one step: the second's block is not cached, and its
+    next block is stored with the first block's hash as its parent."""
+    cache = _cache()
+    a, b = _run(cache, TOKENS, 0), _run(cache, TOKENS, 0)
+    cache.cache_blocks(a, TOKENS, 16)
+    cache.cache_blocks(b, TOKENS, 32)
+    hashes = block_hashes(TOKENS)
+    assert cache.events.take() == [BlocksStored(None, hashes[:1], [TOKENS[:16]]),
+                                   BlocksStored(hashes[0], hashes[1:2], [TOKENS[16:32]])]

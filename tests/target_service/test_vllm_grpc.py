@@ -6,6 +6,8 @@ import asyncio
 import hashlib
 import io
 import json
+import queue
+import threading
 import zipfile
 
 import grpc
@@ -233,7 +235,6 @@ def test_the_tokenizer_bundle_rebuilds_the_served_tokenizer(stub, tokenizer, tmp
 
 @pytest.mark.parametrize("call, request_message", [
     ("Embed", vllm_engine_pb2.EmbedRequest()),
-    ("FlushCache", common_pb2.FlushCacheRequest()),
     ("StartProfile", common_pb2.StartProfileRequest()),
     ("StopProfile", common_pb2.StopProfileRequest()),
 ])
@@ -243,10 +244,92 @@ def test_what_is_not_served_is_unimplemented_with_a_reason(stub, call, request_m
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and info.value.details()
 
 
-def test_kv_events_are_unimplemented(stub):
+class _Subscription:
+    """A KV event stream read on a thread, as the gateway reads it."""
+
+    def __init__(self, stub, start_sequence_number: int = 0):
+        request = common_pb2.SubscribeKvEventsRequest(start_sequence_number=start_sequence_number)
+        self.call = stub.SubscribeKvEvents(request, timeout=120)
+        self.batches: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for batch in self.call:
+                self.batches.put(batch)
+        except grpc.RpcError as err:
+            self.batches.put(err)
+
+    def next(self, timeout: float = 60) -> common_pb2.KvEventBatch:
+        item = self.batches.get(timeout=timeout)
+        if isinstance(item, grpc.RpcError):
+            raise item
+        return item
+
+    def flush(self, stub) -> common_pb2.KvEventBatch:
+        """Flush the cache, again until this stream shows the cleared event (the server may take the
+        subscription after the first flush); the batch that shows it."""
+        while True:
+            assert stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=60), timeout=90).success
+            try:
+                batch = self.next(timeout=2)
+            except queue.Empty:
+                continue
+            assert [e.WhichOneof("data") for e in batch.events] == ["cleared"]
+            return batch
+
+    def stored(self, until: list[int]) -> list[common_pb2.KvBlocksStored]:
+        """The stored events, read until their blocks' tokens start with `until`."""
+        stored = []
+        while [t for e in stored for b in e.blocks for t in b.token_ids][: len(until)] != until:
+            stored += [event.stored for event in self.next().events if event.HasField("stored")]
+        return stored
+
+
+def test_kv_events_report_the_blocks_a_prompt_filled_and_a_flush(stub, tokenizer):
+    """Subscribed like the gateway, a flush shows as a cleared event; a prompt's full blocks are then
+    stored, chained by their parents; a flush when idle forgets them: the prompt finds nothing cached."""
+    ids = _prompt_ids(tokenizer, "Name three rivers of Europe and one fact about each of them, please.")
+    full = len(ids) // 16 * 16
+    events = _Subscription(stub)
+    try:
+        assert events.flush(stub).sequence_number > 0
+        list(stub.Generate(_request(ids, temperature=0.0, max_tokens=4), timeout=60))
+        stored = events.stored(ids[:full])
+        blocks = [b for e in stored for b in e.blocks]
+        assert all(b.block_size == 16 and len(b.token_ids) == 16 for b in blocks)
+        assert len({b.block_hash for b in blocks}) == len(blocks) >= full // 16
+        assert not stored[0].HasField("parent_block_hash")
+        assert [e.parent_block_hash for e in stored[1:]] == [e.blocks[-1].block_hash for e in stored[:-1]]
+        [again] = [r.complete for r in stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=4),
+                                                      timeout=60)]
+        assert again.cached_tokens == (len(ids) - 1) // 16 * 16
+        assert stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=60), timeout=90).success
+        while not any(e.HasField("cleared") for e in events.next().events):
+            pass  # the second request's batches come first
+        [flushed] = [r.complete for r in stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=4),
+                                                        timeout=60)]
+        assert flushed.cached_tokens == 0
+    finally:
+        events.call.cancel()
+
+
+def test_kv_events_resume_after_the_last_batch_applied_or_are_out_of_range(stub, tokenizer):
+    events = _Subscription(stub)
+    try:
+        cursor = events.flush(stub).sequence_number
+        list(stub.Generate(_request(_prompt_ids(tokenizer, PROMPTS[3]), temperature=0.0, max_tokens=4), timeout=60))
+        following = events.next().sequence_number
+    finally:
+        events.call.cancel()
+    resumed = _Subscription(stub, start_sequence_number=cursor)
+    try:
+        assert following == cursor + 1 and resumed.next().sequence_number == following
+    finally:
+        resumed.call.cancel()
     with pytest.raises(grpc.RpcError) as info:
-        list(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10))
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        _Subscription(stub, start_sequence_number=10**9).next()
+    assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE and "subscribe with 0" in info.value.details()
 
 
 def test_undecodable_bytes_are_invalid_argument(front_doors):
