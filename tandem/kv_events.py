@@ -15,7 +15,7 @@ class BlocksStored:
 
     parent: int | None  # the hash of the block before the first; None when they start a sequence
     hashes: list[int]
-    token_ids: list[list[int]]  # [blocks][BLOCK_SIZE]
+    token_ids: list[list[int]]  # [blocks][block size]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """Automatic prefix caching over shared KV blocks: the target's scheduler allocates every slot here.
 
 Each full block of a sequence's tokens has a hash chained over the hashes before it: block i's
-hash covers tokens [0, 16 * (i + 1)), so equal hashes mean equal prefixes. Once a block's KV is
+hash covers tokens [0, block_size * (i + 1)), so equal hashes mean equal prefixes. Once a block's KV is
 computed, the block is cached under its hash (`cache_blocks`), while its sequence runs and after.
 A new slot takes the longest run of cached blocks that starts its tokens (`allocate`): the next
 turn of a conversation, or every request with the same system prompt, holds those blocks beside
@@ -24,7 +24,7 @@ from array import array
 from collections.abc import Sequence
 
 from tandem.kv_events import BlocksStored, KvEventLog
-from tandem.model.kv_cache import BLOCK_SIZE, KVCache
+from tandem.model.kv_cache import KVCache
 
 ROOT_HASH = 0  # the parent of a sequence's first block
 
@@ -36,11 +36,11 @@ def block_hash(parent: int, tokens: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
-def block_hashes(tokens: Sequence[int]) -> list[int]:
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     """The chained hash of each full block of the tokens."""
     hashes, parent = [], ROOT_HASH
-    for start in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
-        parent = block_hash(parent, tokens[start : start + BLOCK_SIZE])
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_hash(parent, tokens[start : start + block_size])
         hashes.append(parent)
     return hashes
 
@@ -60,7 +60,7 @@ class PrefixCache:
         found: list[int] = []
         hashes: list[int] = []
         if self.enabled and reuse:
-            for prefix_hash in block_hashes(tokens[: len(tokens) - 1]):
+            for prefix_hash in block_hashes(tokens[: len(tokens) - 1], self.kv_cache.block_size):
                 block = self.kv_cache.pool.cached(prefix_hash)
                 if block is None:
                     break
@@ -68,18 +68,18 @@ class PrefixCache:
                 hashes.append(prefix_hash)
         self.kv_cache.attach(slot, found)
         self._hashes[slot] = hashes
-        return slot, len(found) * BLOCK_SIZE
+        return slot, len(found) * self.kv_cache.block_size
 
     def cache_blocks(self, slot: int, tokens: list[int], computed: int) -> None:
         """Cache the slot's full blocks among its first `computed` tokens, whose KV it holds."""
-        hashes = self._hashes[slot]
-        if not self.enabled or len(hashes) == computed // BLOCK_SIZE:
+        hashes, size = self._hashes[slot], self.kv_cache.block_size
+        if not self.enabled or len(hashes) == computed // size:
             return
         table = self.kv_cache.block_table(slot)
         stored: BlocksStored | None = None  # the run of newly cached blocks being recorded
-        for i in range(len(hashes), computed // BLOCK_SIZE):
+        for i in range(len(hashes), computed // size):
             parent = hashes[-1] if hashes else None
-            block_tokens = tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+            block_tokens = tokens[i * size : (i + 1) * size]
             hashes.append(block_hash(ROOT_HASH if parent is None else parent, block_tokens))
             if not self.kv_cache.pool.cache(table[i], hashes[-1]):
                 stored = None  # another block caches this prefix: the run breaks

@@ -14,6 +14,7 @@ from tandem.loaders.drafter_file import assemble_drafter, drafter_target as reco
 from tandem.loaders.eagle3 import is_eagle3_folder, load_eagle3
 from tandem.model import native
 from tandem.model.eagle3 import Eagle3Model
+from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE
 from tandem.model.llama import LlamaModel, build_model
 from tandem.registry import resolve_model_path
 from tandem.tokenizer import Tokenizer
@@ -61,10 +62,12 @@ def load_model(
     max_model_len: int = 2048,
     drafter_target: str = "",
     kv_cache_tokens: int | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> LoadedModel:
     """A checkpoint, or a distilled drafter file on its target (`drafter_target`, else the one it names).
 
-    kv_cache_tokens: the KV pool's size; None: num_slots x max_model_len."""
+    kv_cache_tokens: the KV pool's size; None: num_slots x max_model_len. block_size: positions per
+    KV block."""
     path = resolve_model_path(name_or_path)
     device = torch.device(device)
     draft_vocab = None
@@ -81,7 +84,8 @@ def load_model(
     tokenizer = load_tokenizer(path)
     check_vocabulary(config, tokenizer)
     model = build_model(config, weights, dtype=resolve_dtype(dtype, device), device=device,
-                        num_slots=num_slots, max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens)
+                        num_slots=num_slots, max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens,
+                        block_size=block_size)
     return LoadedModel(name=name_or_path, path=path, config=config, model=model, tokenizer=tokenizer,
                        draft_vocab=draft_vocab)
 

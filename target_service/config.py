@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from target_service.drafter_addresses import DrafterAddresses
+from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, PAGE_SIZE
 from tandem.tls import ClientTls, ServerTls, read_token
 
 
@@ -20,9 +21,10 @@ class TargetConfig:
     threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
     max_num_seqs: int = 8  # running sequences, one KV slot (block table) each
     max_model_len: int = 2048
-    kv_cache_tokens: int = 0  # the KV cache's size in tokens (blocks of 16); 0: max_num_seqs x max_model_len, in whole blocks
+    kv_cache_tokens: int = 0  # the KV cache's size in tokens, in whole blocks; 0: max_num_seqs x max_model_len
+    block_size: int = DEFAULT_BLOCK_SIZE  # KV positions per block, a multiple of 16: the unit of allocation and prefix caching
     max_queue: int = 64  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
-    prefix_caching: bool = True  # a freed slot keeps its KV for a prompt with the same first tokens
+    prefix_caching: bool = True  # full KV blocks stay cached, found by later prompts that start with their tokens
     # host:port of a draft service, several comma-separated, or dns:///host:port; empty: no speculation
     drafter: str = ""
     num_speculative_tokens: int = 4
@@ -61,6 +63,8 @@ class TargetConfig:
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")
+        if self.block_size < PAGE_SIZE or self.block_size % PAGE_SIZE:
+            raise ValueError(f"--block-size must be a multiple of {PAGE_SIZE} (16, 32, 64, ...), got {self.block_size}")
         if 0 < self.kv_cache_tokens < self.max_model_len:
             raise ValueError(f"--kv-cache-tokens {self.kv_cache_tokens} holds less than one sequence of "
                              f"--max-model-len {self.max_model_len}")

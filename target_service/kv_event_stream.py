@@ -21,7 +21,6 @@ from smg_grpc_proto.generated import common_pb2
 
 from target_service.errors import RequestError
 from tandem.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
-from tandem.model.kv_cache import BLOCK_SIZE
 
 HISTORY = 4096  # batches kept for resuming subscribers
 
@@ -95,7 +94,7 @@ class KvEventStream:
     def _message(self, event: KvEvent) -> common_pb2.KvCacheEvent:
         message = common_pb2.KvCacheEvent(event_id=next(self._event_ids))
         if isinstance(event, BlocksStored):
-            message.stored.blocks.extend(common_pb2.KvBlock(block_hash=h, token_ids=tokens, block_size=BLOCK_SIZE)
+            message.stored.blocks.extend(common_pb2.KvBlock(block_hash=h, token_ids=tokens, block_size=len(tokens))
                                          for h, tokens in zip(event.hashes, event.token_ids))
             if event.parent is not None:
                 message.stored.parent_block_hash = event.parent

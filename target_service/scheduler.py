@@ -28,7 +28,7 @@ from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from tandem.prefix_cache import PrefixCache
 from target_service.sequence import FinishReason, Sequence, SequenceStatus
-from tandem.model.kv_cache import BLOCK_SIZE, KVCache
+from tandem.model.kv_cache import KVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +68,9 @@ class Scheduler:
         if needed > self.kv_cache.num_blocks:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(samples)} sequence(s) need {needed * BLOCK_SIZE} KV positions to start; the cache holds "
-                f"{self.kv_cache.num_blocks * BLOCK_SIZE} (--kv-cache-tokens): lower n or shorten the prompt",
+                f"{len(samples)} sequence(s) need {needed * self.kv_cache.block_size} KV positions to start; the "
+                f"cache holds {self.kv_cache.num_blocks * self.kv_cache.block_size} (--kv-cache-tokens): lower n or "
+                "shorten the prompt",
             )
         head = self._next_group() if self.waiting else samples
         admitted = self._free_capacity() if self._fits(head) else 0  # a group waits whole

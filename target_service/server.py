@@ -28,7 +28,6 @@ from target_service.validation import GENERATE_METHOD, UndecodableRequests
 from target_service.vllm_grpc.servicer import SERVICE_NAME as VLLM_SERVICE
 from target_service.vllm_grpc.servicer import VLLM_GENERATE_METHOD, VllmEngineServicer
 from tandem.grpc_server import RunningServer, ServerOptions, serve_until_signal, start_server
-from tandem.model.kv_cache import BLOCK_SIZE
 from tandem.runtime import load_model
 from tandem.structured import GrammarCompiler, GrammarLimits
 from tandem.tls import BearerTokenInterceptor
@@ -112,6 +111,7 @@ async def serve(config: TargetConfig) -> None:
     loaded = await asyncio.to_thread(
         load_model, config.model, dtype=config.dtype, device=config.device,
         num_slots=config.max_num_seqs, max_model_len=config.max_model_len, kv_cache_tokens=config.kv_cache_tokens or None,
+        block_size=config.block_size,
     )
     metrics = TargetMetrics(loaded.name)
     connect = None
@@ -127,7 +127,7 @@ async def serve(config: TargetConfig) -> None:
     speculator = Speculator(speculation_policy(config), metrics, vocab_size=loaded.config.vocab_size,
                             max_len=kv_cache.max_len, connect=connect)
     scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_queue, metrics, config.prefix_caching)
-    metrics.describe_cache(BLOCK_SIZE, kv_cache.num_blocks, str(kv_cache.v[0].dtype).removeprefix("torch."),
+    metrics.describe_cache(kv_cache.block_size, kv_cache.num_blocks, str(kv_cache.v[0].dtype).removeprefix("torch."),
                            config.prefix_caching)
     engine = Engine(ModelRunner(loaded.model, metrics), scheduler, speculator, loaded.tokenizer, config, metrics)
     compiler = await asyncio.to_thread(

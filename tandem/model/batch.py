@@ -27,7 +27,7 @@ class AttentionMetadata:
     """Index tensors that every layer's attention shares, built once per forward.
 
     Keys and values are read and written at pool positions (kv_cache.py): a slot's position p
-    sits at block_tables[slot, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE.
+    sits at block_tables[slot, p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE.
     """
 
     single: bool  # the batch holds one sequence

@@ -6,22 +6,26 @@ import torch
 from tandem.config import ModelConfig
 from tandem.model.block_pool import BlockPool, CacheFullError
 
-__all__ = ["BLOCK_SIZE", "CacheFullError", "KVCache"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "PAGE_SIZE", "CacheFullError", "KVCache"]
 
-BLOCK_SIZE = 16  # positions per KV block, as in vLLM; the native decoder's K blocks are this wide
+PAGE_SIZE = 16  # positions per page: what every attention path reads a block table in; the native decoder's K pages
+DEFAULT_BLOCK_SIZE = 16  # positions per KV block, as in vLLM: a multiple of PAGE_SIZE (--block-size)
 
 
 class KVCache:
     """Per-layer K and V tensors holding a pool of blocks; a slot is one sequence's block table.
 
-    V is [kv_heads, pool positions, head_dim], where pool position b * BLOCK_SIZE + i is entry i of
-    block b. K has the same shape, or, with `transposed_keys` (the native CPU decoder), [kv_heads,
-    blocks, head_dim, BLOCK_SIZE]: each block stored transposed, so that its scores are
-    BLOCK_SIZE-wide vector operations. Heads come first so that a run of consecutive blocks is a
-    view of [kv_heads, positions, head_dim], as a slot of a contiguous cache would be.
+    A block (`block_size` positions, what the pool allocates and the prefix cache keys) is
+    block_size / PAGE_SIZE consecutive pages, and the attention paths read pages: block b holds
+    pages b * pages_per_block onwards. V is [kv_heads, pool positions, head_dim], where pool
+    position g * PAGE_SIZE + i is entry i of page g. K has the same shape, or, with
+    `transposed_keys` (the native CPU decoder), [kv_heads, pages, head_dim, PAGE_SIZE]: each page
+    stored transposed, so that its scores are PAGE_SIZE-wide vector operations. Heads come first so
+    that a run of consecutive pages is a view of [kv_heads, positions, head_dim], as a slot of a
+    contiguous cache would be.
 
-    `block_tables` [slots, max_blocks] int32 maps a slot's position p to block
-    block_tables[slot, p // BLOCK_SIZE]; every attention path reads K and V through it. A slot
+    `block_tables` [slots, max pages] int32 maps a slot's position p to page
+    block_tables[slot, p // PAGE_SIZE]; every attention path reads K and V through it. A slot
     gets blocks as it grows (`reserve`); freeing it returns the blocks past what it keeps. Slots
     may hold the same block (`attach`, `share_prefix`): the pool counts them (block_pool.py), and
     a shared block is one whose positions no holder writes again.
@@ -44,15 +48,20 @@ class KVCache:
         transposed_keys: bool = False,
         spare_slot: bool = False,
         num_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ):
         """num_blocks: the pool's size; by default every slot can reach max_len at once."""
-        self.max_blocks = -(-max_len // BLOCK_SIZE)  # per slot
-        self.positions = self.max_blocks * BLOCK_SIZE  # max_len rounded up to whole blocks
+        if block_size < PAGE_SIZE or block_size % PAGE_SIZE:
+            raise ValueError(f"the KV block size must be a multiple of {PAGE_SIZE}, got {block_size}")
+        self.block_size = block_size
+        self.pages_per_block = block_size // PAGE_SIZE
+        self.max_blocks = -(-max_len // block_size)  # per slot
+        self.positions = self.max_blocks * block_size  # max_len rounded up to whole blocks
         self.num_blocks = num_blocks if num_blocks is not None else num_slots * self.max_blocks
         self.padding_slot = num_slots if spare_slot else None
-        pool = self.num_blocks + (1 if spare_slot else 0)
-        v_shape = (config.num_kv_heads, pool * BLOCK_SIZE, config.head_dim)
-        k_shape = (config.num_kv_heads, pool, config.head_dim, BLOCK_SIZE) if transposed_keys else v_shape
+        pages = (self.num_blocks + (1 if spare_slot else 0)) * self.pages_per_block
+        v_shape = (config.num_kv_heads, pages * PAGE_SIZE, config.head_dim)
+        k_shape = (config.num_kv_heads, pages, config.head_dim, PAGE_SIZE) if transposed_keys else v_shape
         # Zeros, not empty: masked-out entries are multiplied by a zero weight, and 0 * NaN = NaN.
         self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
@@ -64,11 +73,11 @@ class KVCache:
         self.pool = BlockPool(self.num_blocks)
         slots = num_slots + (1 if spare_slot else 0)
         self._tables: list[list[int]] = [[] for _ in range(slots)]
-        # Unused entries point at block 0: attention never reads past a query's position.
-        self.block_tables = torch.zeros(slots, self.max_blocks, dtype=torch.int32, device=device)
+        # Unused entries point at page 0: attention never reads past a query's position.
+        self.block_tables = torch.zeros(slots, self.max_blocks * self.pages_per_block, dtype=torch.int32,
+                                        device=device)
         if spare_slot:
-            self._tables[num_slots] = [self.num_blocks]
-            self.block_tables[num_slots, 0] = self.num_blocks
+            self._append(num_slots, [self.num_blocks])
 
     @property
     def num_free_slots(self) -> int:
@@ -114,12 +123,12 @@ class KVCache:
     def shrink(self, slot: int, keep: int) -> None:
         """Return the slot's blocks past those that hold its first `keep` positions to the pool."""
         table = self._tables[slot]
-        kept = -(-keep // BLOCK_SIZE)
+        kept = self.blocks_for(keep)
         self.pool.release(reversed(table[kept:]))  # its last blocks are evicted first
         del table[kept:]
 
     def blocks_for(self, positions: int) -> int:
-        return -(-positions // BLOCK_SIZE)
+        return -(-positions // self.block_size)
 
     def num_blocks_of(self, slot: int) -> int:
         return len(self._tables[slot])
@@ -149,20 +158,22 @@ class KVCache:
         """Slot `dest` gets the KV of slot `source`'s positions [0, length): their full blocks are
         shared (neither slot writes them again), the last partial block is copied."""
         self.reserve(dest, length)
-        full = length // BLOCK_SIZE
+        full = length // self.block_size
         src, dst = self._tables[source], self._tables[dest]
         differ = [i for i in range(full) if dst[i] != src[i]]
         for i in differ:
             self.pool.hold(src[i])
         self.pool.release([dst[i] for i in differ])
         dst[:full] = src[:full]
-        self.block_tables[dest, :full] = self.block_tables[source, :full]
-        if length > full * BLOCK_SIZE:
-            self.copy_positions(source, dest, full * BLOCK_SIZE, length)
+        pages = full * self.pages_per_block
+        self.block_tables[dest, :pages] = self.block_tables[source, :pages]
+        if length > full * self.block_size:
+            self.copy_positions(source, dest, full * self.block_size, length)
 
     def _append(self, slot: int, blocks: list[int]) -> None:
-        table = self._tables[slot]
-        self.block_tables[slot, len(table) : len(table) + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        table, m = self._tables[slot], self.pages_per_block
+        pages = [block * m + i for block in blocks for i in range(m)]
+        self.block_tables[slot, len(table) * m : (len(table) + len(blocks)) * m] = torch.tensor(pages, dtype=torch.int32)
         table.extend(blocks)
 
     def block_table(self, slot: int) -> list[int]:
@@ -174,16 +185,16 @@ class KVCache:
         sit in the pool, read from the block tables (past a slot's reserved blocks: stale entries)."""
         device = self.block_tables.device
         positions = torch.arange(length, device=device)
-        tables = self.block_tables[torch.tensor(slots, device=device)]  # [S, max_blocks]
-        return tables[:, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+        tables = self.block_tables[torch.tensor(slots, device=device)]  # [S, max pages]
+        return tables[:, positions // PAGE_SIZE].long() * PAGE_SIZE + positions % PAGE_SIZE
 
     def contiguous_start(self, slot: int, length: int) -> int | None:
         """The pool position of the slot's position 0 when positions [0, length) are one run of
         consecutive blocks (then K/V can be read as a view), else None."""
-        table = self._tables[slot][: -(-length // BLOCK_SIZE)]
+        table = self._tables[slot][: self.blocks_for(length)]
         if not table or table != list(range(table[0], table[0] + len(table))):
             return None
-        return table[0] * BLOCK_SIZE
+        return table[0] * self.block_size
 
     def copy_positions(self, source: int, dest: int, start: int, end: int) -> None:
         """Copies the K and V of positions [start, end) of slot `source` into slot `dest`, in every layer.
@@ -201,6 +212,6 @@ class KVCache:
         for k, v in zip(self.k, self.v):
             v[:, dst] = v[:, src]
             if self.transposed_keys:
-                k[:, dst // BLOCK_SIZE, :, dst % BLOCK_SIZE] = k[:, src // BLOCK_SIZE, :, src % BLOCK_SIZE]
+                k[:, dst // PAGE_SIZE, :, dst % PAGE_SIZE] = k[:, src // PAGE_SIZE, :, src % PAGE_SIZE]
             else:
                 k[:, dst] = k[:, src]

@@ -9,7 +9,7 @@ import torch
 from tandem.config import ModelConfig
 from tandem.model import native
 from tandem.model.batch import SequenceChunk
-from tandem.model.kv_cache import BLOCK_SIZE, KVCache
+from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from tandem.model.native_decoder import NativeBatch, NativeDecoder, supports as native_supports
 from tandem.model.rope import RotaryEmbedding, rope_inv_freq
 from tandem.model.slot_attention import kernel_supports
@@ -144,6 +144,7 @@ def build_model(
     backend: Backend = "auto",
     cuda_graphs: bool | None = None,
     kv_cache_tokens: int | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> LlamaModel:
     """backend "native" insists on the native decoder (ValueError where it can't run).
 
@@ -151,7 +152,8 @@ def build_model(
     CUDA graphs (static_steps.py). None: on for CUDA where the Triton kernel runs. True on CPU runs
     the same static forward eagerly, with the PyTorch decoder: what the CPU tests check.
 
-    kv_cache_tokens: the KV pool's size in tokens (whole blocks); None: num_slots x max_model_len.
+    kv_cache_tokens: the KV pool's size in tokens (whole blocks of block_size); None: num_slots x
+    max_model_len.
     """
     device = torch.device(device)
     static_steps = cuda_graphs if cuda_graphs is not None else (
@@ -163,8 +165,8 @@ def build_model(
         raise ValueError(f"the native CPU decoder can't run this model on {device} in {dtype}")
     weights = weights.to(dtype, device)
     cache = KVCache(config, num_slots=num_slots, max_len=max_model_len, dtype=dtype, device=device,
-                    transposed_keys=use_native, spare_slot=static_steps,
-                    num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // BLOCK_SIZE))
+                    transposed_keys=use_native, spare_slot=static_steps, block_size=block_size,
+                    num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size))
     inv_freq = weights.rope_inv_freq if weights.rope_inv_freq is not None else rope_inv_freq(config)
     if use_native:
         rope = RotaryEmbedding(inv_freq, cache.positions, torch.float32, device)

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from tandem.model.kv_cache import BLOCK_SIZE
+from tandem.model.kv_cache import PAGE_SIZE
 
 try:
     import triton
@@ -42,9 +42,9 @@ def slot_attention(
     q: torch.Tensor,  # [B, T, heads, head_dim]
     k_cache: torch.Tensor,  # [kv_heads, pool positions, head_dim]
     v_cache: torch.Tensor,  # [kv_heads, pool positions, head_dim]
-    block_tables: torch.Tensor,  # [slots, max_blocks] int32
+    block_tables: torch.Tensor,  # [slots, max_pages] int32
     slot_ids: torch.Tensor,  # [B] int64
-    positions: torch.Tensor,  # [B, T] int64, each < max_blocks * BLOCK_SIZE
+    positions: torch.Tensor,  # [B, T] int64, each < max_pages * PAGE_SIZE
 ) -> torch.Tensor:
     """Returns [B, T, heads, head_dim], contiguous, in q's dtype. Positions and tables are not checked
     (that would sync)."""
@@ -78,7 +78,7 @@ def check_slot_attention_args(q, k_cache, v_cache, block_tables, slot_ids, posit
     if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index_tensors):
         problems.append("slot_ids and positions must be contiguous int64")
     if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
-        problems.append(f"block_tables must be a contiguous int32 [slots, max_blocks], not {block_tables.dtype} "
+        problems.append(f"block_tables must be a contiguous int32 [slots, max_pages], not {block_tables.dtype} "
                         f"{list(block_tables.shape)}")
     if len({t.device for t in (q, k_cache, v_cache, block_tables, slot_ids, positions)}) != 1:
         problems.append("all tensors must be on one device")
@@ -91,8 +91,8 @@ def slot_attention_reference(q, k_cache, v_cache, block_tables, slot_ids, positi
     batch, num_new, heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
-    blocks = block_tables.index_select(0, slot_ids).long()  # [B, max_blocks]
-    pool = (blocks[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=q.device)).flatten(1)  # [B, max_len]
+    pages = block_tables.index_select(0, slot_ids).long()  # [B, max_pages]
+    pool = (pages[:, :, None] * PAGE_SIZE + torch.arange(PAGE_SIZE, device=q.device)).flatten(1)  # [B, max_len]
     max_len = pool.shape[1]
     k = k_cache[:, pool].transpose(0, 1).float()  # [B, kv_heads, max_len, head_dim]
     v = v_cache[:, pool].transpose(0, 1).float()
@@ -115,7 +115,7 @@ def slot_attention_triton(q, k_cache, v_cache, block_tables, slot_ids, positions
         out, q, k_cache, v_cache, block_tables, slot_ids, positions,
         num_new, heads // k_cache.shape[0], head_dim**-0.5,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), block_tables.stride(0),
-        HEAD_DIM=head_dim, BLOCK_N=BLOCK_KEYS, PAGE=BLOCK_SIZE,
+        HEAD_DIM=head_dim, BLOCK_N=BLOCK_KEYS, PAGE=PAGE_SIZE,
     )
     return out
 

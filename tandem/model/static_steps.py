@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.model.batch import SequenceChunk
-from tandem.model.kv_cache import BLOCK_SIZE, KVCache
+from tandem.model.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from tandem.model.torch_decoder import TorchDecoder
@@ -59,7 +59,7 @@ class StaticStepRunner:
     def __init__(self, decoder: TorchDecoder, kv_cache: KVCache):
         if kv_cache.padding_slot is None:
             raise ValueError("static steps pad batches on a spare KV slot: build the cache with spare_slot=True")
-        if kv_cache.num_blocks_of(kv_cache.padding_slot) * BLOCK_SIZE < MAX_STEP_TOKENS:
+        if kv_cache.num_blocks_of(kv_cache.padding_slot) * kv_cache.block_size < MAX_STEP_TOKENS:
             raise ValueError(f"the padding slot's blocks hold fewer than the {MAX_STEP_TOKENS} positions a padded "
                              "step writes")
         self.decoder = decoder

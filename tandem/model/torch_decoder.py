@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from tandem.config import ModelConfig
 from tandem.model.attention import attend, write_kv
 from tandem.model.batch import ForwardBatch, SequenceChunk
-from tandem.model.kv_cache import BLOCK_SIZE, KVCache
+from tandem.model.kv_cache import PAGE_SIZE, KVCache
 from tandem.model.rope import RotaryEmbedding
 from tandem.model.slot_attention import slot_attention
 from tandem.model.static_steps import StaticStepRunner, UniformBatch
@@ -96,8 +96,8 @@ class TorchDecoder:
         cfg = self.config
         flat_positions = positions.reshape(-1)  # [B*T]
         tables = self.kv_cache.block_tables
-        blocks = tables[slot_ids[:, None], positions // BLOCK_SIZE].long()  # [B, T]
-        pool_positions = (blocks * BLOCK_SIZE + positions % BLOCK_SIZE).reshape(-1)  # [B*T]
+        pages = tables[slot_ids[:, None], positions // PAGE_SIZE].long()  # [B, T]
+        pool_positions = (pages * PAGE_SIZE + positions % PAGE_SIZE).reshape(-1)  # [B*T]
         hidden = F.embedding(input_ids.reshape(-1), self._embed)  # [B*T, hidden]
         for index, layer in enumerate(self._layers):
             q, k, v = self._attention_inputs(layer, hidden, flat_positions)

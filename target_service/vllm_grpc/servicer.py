@@ -26,7 +26,6 @@ from target_service.errors import RequestError
 from target_service.sequence import FinishReason, Output, Sequence
 from target_service.serving import SERVER_ABORTED, Serving
 from target_service.vllm_grpc.request import FIELD_NAMES, engine_request
-from tandem.model.kv_cache import BLOCK_SIZE
 
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 VLLM_GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
@@ -132,7 +131,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             dp_rank=0, num_running_reqs=len(scheduler.running), num_waiting_reqs=len(scheduler.waiting),
             num_total_reqs=len(scheduler.running) + len(scheduler.waiting),
             num_used_tokens=sum(len(seq.token_ids) for seq in scheduler.running),
-            max_total_num_tokens=scheduler.kv_cache.num_blocks * BLOCK_SIZE, token_usage=scheduler.kv_usage,
+            max_total_num_tokens=scheduler.kv_cache.num_blocks * scheduler.kv_cache.block_size, token_usage=scheduler.kv_usage,
             max_running_requests=config.max_num_seqs,
             num_waiting_uncached_tokens=sum(len(seq.prompt_ids) for seq in scheduler.waiting))
         return vllm_engine_pb2.GetLoadsResponse(timestamp=_now(), version=VERSION, dp_rank_count=1,

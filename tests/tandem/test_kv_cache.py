@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tandem.model.batch import SequenceChunk
-from tandem.model.kv_cache import BLOCK_SIZE, CacheFullError, KVCache
+from tandem.model.kv_cache import PAGE_SIZE, CacheFullError, KVCache
 from tandem.model.llama import build_model
 from tandem.model.random_weights import SHAPES, random_weights
 
@@ -75,10 +75,10 @@ def test_chunk_past_the_cache_is_refused(model):
 def _positions(cache: KVCache, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a slot's reserved positions as [heads, positions, head_dim], read through its block
     table whatever the K layout."""
-    pool = cache.pool_index([slot], len(cache.block_table(slot)) * BLOCK_SIZE)[0]
+    pool = cache.pool_index([slot], len(cache.block_table(slot)) * PAGE_SIZE)[0]
     k, v = cache.k[layer], cache.v[layer][:, pool]
     if cache.transposed_keys:  # [heads, blocks, head_dim, block] -> [positions, heads, head_dim]
-        return k[:, pool // BLOCK_SIZE, :, pool % BLOCK_SIZE].transpose(0, 1), v
+        return k[:, pool // PAGE_SIZE, :, pool % PAGE_SIZE].transpose(0, 1), v
     return k[:, pool], v
 
 
@@ -195,3 +195,41 @@ def test_a_shared_block_goes_back_to_the_pool_when_its_last_holder_frees_it():
     assert cache.num_free_blocks == 2 and cache.pool.refs(cache.block_table(b)[0]) == 1
     cache.free(b)
     assert cache.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_block_of_several_pages_reads_like_blocks_of_one(backend):
+    """--block-size 64: each block is four consecutive pages, which every path reads as it reads
+    blocks of 16. Two sequences decoding in turn, and a third sharing the first's prefix, give the
+    logits they give with blocks of 16."""
+    config = SHAPES["tiny"]
+    weights = random_weights(config, seed=3)
+    logits = []
+    for block_size in (16, 64):
+        model = build_model(config, weights, dtype=torch.float32, device=torch.device("cpu"), num_slots=4,
+                            max_model_len=192, backend=backend, kv_cache_tokens=4 * 192, block_size=block_size)
+        a, b = _tokens(150, 21), _tokens(150, 22)
+        model.run([SequenceChunk(slot=0, start=0, token_ids=a[:70]), SequenceChunk(slot=1, start=0, token_ids=b[:5])])
+        steps = [model.run([SequenceChunk(slot=0, start=i, token_ids=[a[i]]),
+                            SequenceChunk(slot=1, start=i - 65, token_ids=[b[i - 65]])]) for i in range(70, 150)]
+        model.kv_cache.share_prefix(source=0, dest=2, length=140)
+        shared = model.run([SequenceChunk(slot=2, start=140, token_ids=a[140:150], num_logits=10)])
+        logits.append((torch.stack(steps), shared))
+        assert model.kv_cache.block_tables.shape[1] == 192 // 16
+    torch.testing.assert_close(logits[1][0], logits[0][0], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(logits[1][1], logits[0][1], atol=ATOL, rtol=ATOL)
+
+
+def test_a_block_is_block_size_positions_of_consecutive_pages():
+    cache = KVCache(SHAPES["tiny"], num_slots=2, max_len=100, dtype=torch.float32, device=torch.device("cpu"),
+                    num_blocks=3, block_size=48)
+    assert (cache.max_blocks, cache.positions, cache.v[0].shape[1]) == (3, 144, 3 * 48)
+    slot = cache.allocate()
+    cache.reserve(slot, 49)
+    [first, second] = cache.block_table(slot)
+    assert cache.block_tables[slot, :6].tolist() == [first * 3, first * 3 + 1, first * 3 + 2,
+                                                      second * 3, second * 3 + 1, second * 3 + 2]
+    assert cache.num_free_blocks == 1 and cache.blocks_for(96) == 2
+    for size in (8, 24, 0):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            KVCache(SHAPES["tiny"], 1, 64, torch.float32, torch.device("cpu"), block_size=size)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from tandem.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
-from tandem.model.kv_cache import BLOCK_SIZE, KVCache
+from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from tandem.model.random_weights import SHAPES
 from tandem.prefix_cache import PrefixCache, block_hashes
 
@@ -32,11 +32,11 @@ def _found(cache: PrefixCache, tokens: list[int], reuse: bool = True) -> int:
 
 
 def test_each_block_hash_covers_every_token_before_it():
-    hashes = block_hashes(TOKENS)
+    hashes = block_hashes(TOKENS, 16)
     assert len(hashes) == 3 and len(set(hashes)) == 3
-    assert block_hashes(TOKENS[:32]) == hashes[:2]
+    assert block_hashes(TOKENS[:32], 16) == hashes[:2]
     changed = [TOKENS[0] + 1, *TOKENS[1:]]
-    assert not set(block_hashes(changed)) & set(hashes), "a changed first token changes every later hash"
+    assert not set(block_hashes(changed, 16)) & set(hashes), "a changed first token changes every later hash"
 
 
 def test_a_prompt_finds_the_longest_run_of_cached_blocks_that_starts_it():
@@ -62,7 +62,7 @@ def test_a_released_slots_blocks_stay_cached_until_the_pool_needs_them():
     cache = _cache(num_blocks=4)
     cache.release(_run(cache, TOKENS, len(TOKENS)))  # four blocks: three cached, one not
     assert _found(cache, TOKENS) == 48
-    cache.kv_cache.reserve(cache.allocate([])[0], 2 * BLOCK_SIZE)  # the uncached block, then the last block
+    cache.kv_cache.reserve(cache.allocate([])[0], 2 * DEFAULT_BLOCK_SIZE)  # the uncached block, then the last block
     assert cache.kv_cache.pool.num_cached == 2 and _found(cache, TOKENS) == 32, "the first blocks are evicted last"
 
 
@@ -79,13 +79,13 @@ def test_the_blocks_cached_evicted_and_cleared_are_recorded_as_kv_events():
     cache = _cache(num_blocks=4)
     cache.release(_run(cache, TOKENS, 20))  # one block's KV computed
     slot = _run(cache, TOKENS, 48)  # finds it, computes two more
-    hashes = block_hashes(TOKENS)
+    hashes = block_hashes(TOKENS, 16)
     assert cache.events.take() == [
         BlocksStored(None, hashes[:1], [TOKENS[:16]]),
         BlocksStored(hashes[0], hashes[1:3], [TOKENS[16:32], TOKENS[32:48]]),
     ]
     cache.release(slot)
-    cache.kv_cache.reserve(cache.allocate([])[0], 2 * BLOCK_SIZE)  # an uncached block, then the last cached one
+    cache.kv_cache.reserve(cache.allocate([])[0], 2 * DEFAULT_BLOCK_SIZE)  # an uncached block, then the last cached one
     assert cache.events.take() == [BlocksRemoved([hashes[2]])]
     cache.clear()
     assert cache.events.take() == [AllBlocksCleared()] and _found(cache, TOKENS) == 0
@@ -98,6 +98,15 @@ def test_a_prefix_another_block_caches_already_breaks_the_run_of_stored_blocks()
     a, b = _run(cache, TOKENS, 0), _run(cache, TOKENS, 0)
     cache.cache_blocks(a, TOKENS, 16)
     cache.cache_blocks(b, TOKENS, 32)
-    hashes = block_hashes(TOKENS)
+    hashes = block_hashes(TOKENS, 16)
     assert cache.events.take() == [BlocksStored(None, hashes[:1], [TOKENS[:16]]),
                                    BlocksStored(hashes[0], hashes[1:2], [TOKENS[16:32]])]
+
+
+def test_with_larger_blocks_prefixes_are_cached_in_whole_blocks_of_that_size():
+    kv = KVCache(SHAPES["tiny"], 4, 64, torch.float32, torch.device("cpu"), num_blocks=8, block_size=32)
+    cache = PrefixCache(kv)
+    _run(cache, TOKENS, len(TOKENS))
+    assert _found(cache, TOKENS) == 32 and _found(cache, TOKENS[:33]) == 32 and _found(cache, TOKENS[:32]) == 0
+    [stored] = cache.events.take()
+    assert stored.hashes == block_hashes(TOKENS, 32) and stored.token_ids == [TOKENS[:32]]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from tandem.model.kv_cache import BLOCK_SIZE
+from tandem.model.kv_cache import PAGE_SIZE
 from tandem.model.slot_attention import (
     INTERPRETED,
     slot_attention,
@@ -36,7 +36,7 @@ def _inputs(batch: int, num_new: int, kv_heads: int, group: int, head_dim: int, 
     block tables are a shuffle of the pool's blocks."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, num_new, kv_heads * group, head_dim, generator=gen).to(dtype)
-    pool = num_slots * max_blocks * BLOCK_SIZE
+    pool = num_slots * max_blocks * PAGE_SIZE
     k_cache = torch.randn(kv_heads, pool, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(kv_heads, pool, head_dim, generator=gen).to(dtype)
     tables = torch.randperm(num_slots * max_blocks, generator=gen).view(num_slots, max_blocks).int()
@@ -47,7 +47,7 @@ def _inputs(batch: int, num_new: int, kv_heads: int, group: int, head_dim: int, 
 
 def _slot_keys(cache: torch.Tensor, tables: torch.Tensor, slot: int, length: int) -> torch.Tensor:
     """A slot's positions [0, length) of a [kv_heads, pool positions, head_dim] cache, read one by one."""
-    pool = [tables[slot, p // BLOCK_SIZE].item() * BLOCK_SIZE + p % BLOCK_SIZE for p in range(length)]
+    pool = [tables[slot, p // PAGE_SIZE].item() * PAGE_SIZE + p % PAGE_SIZE for p in range(length)]
     return cache[:, pool]
 
 

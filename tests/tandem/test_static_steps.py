@@ -10,7 +10,7 @@ import torch
 
 from tandem.model import torch_decoder
 from tandem.model.batch import ForwardBatch, SequenceChunk
-from tandem.model.kv_cache import BLOCK_SIZE, CacheFullError
+from tandem.model.kv_cache import PAGE_SIZE, CacheFullError
 from tandem.model.llama import LlamaModel, build_model
 from tandem.model.random_weights import SHAPES, random_weights
 from tandem.model.slot_attention import INTERPRETED, slot_attention_triton
@@ -129,7 +129,7 @@ def test_the_spare_slot_is_never_handed_out():
     static, _ = _pair("tiny", num_slots=3)
     cache = static.kv_cache
     assert cache.padding_slot == 3 and cache.block_table(3) == [cache.num_blocks]
-    assert cache.k[0].shape[1] == (cache.num_blocks + 1) * BLOCK_SIZE
+    assert cache.k[0].shape[1] == (cache.num_blocks + 1) * PAGE_SIZE
     assert sorted(cache.allocate() for _ in range(3)) == [0, 1, 2]
     with pytest.raises(CacheFullError):
         cache.allocate()

@@ -6,8 +6,9 @@ import grpc
 import httpx
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from tandem.launch import ServiceProcess
 from tandem.metrics_scrape import metric, scrape
-from tandem.model.kv_cache import BLOCK_SIZE
+from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE
 from tandem.runtime import load_tokenizer
 from tests.support.service_fixtures import greedy_request, run_requests
 
@@ -17,7 +18,7 @@ PROMPT = "Tell me about prefix caching in two sentences."
 
 def cacheable(prompt_tokens: int) -> int:
     """The prompt tokens in the full KV blocks before its last token: what a repeat finds cached."""
-    return (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    return (prompt_tokens - 1) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
 
 
 def test_every_front_door_reports_the_cached_prompt_tokens(front_doors, smollm2_path):
@@ -39,3 +40,22 @@ def test_every_front_door_reports_the_cached_prompt_tokens(front_doors, smollm2_
     samples = scrape(front_doors.metrics_url)
     assert metric(samples, "vllm:prefix_cache_hits_total") >= 3 * cacheable(len(ids))
     assert metric(samples, "vllm:prefix_cache_queries_total") >= metric(samples, "vllm:prefix_cache_hits_total")
+
+
+def test_with_blocks_of_64_a_target_caches_whole_blocks_and_gives_the_same_tokens(front_doors, tmp_path):
+    """--block-size 64: a repeat finds whole blocks of 64 cached, and greedy tokens are those of the
+    target with blocks of 16."""
+    prompt = PROMPT + (" Then name every step a request takes through a serving engine, one per line: the"
+                       " queue, admission, the prefill, each decode step, and what the cache keeps at the end.")
+    target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--block-size", "64"],
+                            log_path=tmp_path / "target.log").start()
+    try:
+        target.wait_healthy()
+        first, again = (run_requests(target.address, [greedy_request(prompt, 8)])[0] for _ in range(2))
+        [reference] = run_requests(front_doors.address, [greedy_request(prompt, 8)])
+        samples = scrape(target.metrics_url)
+    finally:
+        target.kill()
+    assert first.cached_tokens == 0 and again.cached_tokens == (again.prompt_tokens - 1) // 64 * 64 > 0
+    assert first.token_ids == again.token_ids == reference.token_ids
+    assert metric(samples, "vllm:cache_config_info", block_size="64") == 1

@@ -1,4 +1,4 @@
-"""The target's KV cache size: --kv-cache-tokens, and what it must hold."""
+"""The target's KV cache size: --kv-cache-tokens and --block-size, and what they must hold."""
 from __future__ import annotations
 
 import pytest
@@ -16,10 +16,19 @@ def test_a_kv_cache_too_small_for_one_sequence_is_refused(tokens, message):
         TargetConfig(max_model_len=2048, kv_cache_tokens=tokens)
 
 
-@pytest.mark.parametrize("kv_cache_tokens, blocks", [(None, 8 * 63), (2000, 125), (2001, 126)])
-def test_the_pool_holds_every_slot_at_full_length_unless_sized(kv_cache_tokens, blocks):
-    """By default each slot's max_len (1000: 63 blocks of 16) in whole blocks; a size in tokens rounds up."""
+@pytest.mark.parametrize("size", [8, 24, 0])
+def test_a_block_size_that_is_not_a_multiple_of_16_is_refused(size):
+    with pytest.raises(ValueError, match=f"--block-size must be a multiple of 16 \\(16, 32, 64, ...\\), got {size}"):
+        TargetConfig(block_size=size)
+
+
+@pytest.mark.parametrize("kv_cache_tokens, block_size, blocks",
+                         [(None, 16, 8 * 63), (2000, 16, 125), (2001, 16, 126), (None, 64, 8 * 16), (2001, 64, 32)])
+def test_the_pool_holds_every_slot_at_full_length_unless_sized(kv_cache_tokens, block_size, blocks):
+    """By default each slot's max_len (1000: 63 blocks of 16, 16 of 64) in whole blocks; a size in
+    tokens rounds up to whole blocks."""
+    assert TargetConfig(block_size=block_size).block_size == block_size
     config = SHAPES["tiny"]
     model = build_model(config, random_weights(config, seed=0), dtype=torch.float32, device="cpu",
-                        num_slots=8, max_model_len=1000, kv_cache_tokens=kv_cache_tokens)
+                        num_slots=8, max_model_len=1000, kv_cache_tokens=kv_cache_tokens, block_size=block_size)
     assert model.kv_cache.num_blocks == blocks
