@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BlocksStored:
     """Consecutive full blocks of one sequence, cached: each block's hash and its tokens."""
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -22,17 +23,19 @@ POLL_BACKOFF_MS = 200  # how often wait_healthy's channel retries a service not 
 
 
 _handed_out: set[int] = set()  # ports free_port gave this process: the kernel may offer a closed one again
+_handing_out = threading.Lock()
 
 
 def free_port() -> int:
     """A loopback port free now and never handed out before by this process."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
+    with _handing_out:
+        while True:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 @dataclass

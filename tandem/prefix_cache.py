@@ -76,19 +76,20 @@ class PrefixCache:
         if not self.enabled or len(hashes) == computed // size:
             return
         table = self.kv_cache.block_table(slot)
-        stored: BlocksStored | None = None  # the run of newly cached blocks being recorded
+        runs: list[BlocksStored] = []  # runs of blocks whose hash is new
         for i in range(len(hashes), computed // size):
             parent = hashes[-1] if hashes else None
             block_tokens = tokens[i * size : (i + 1) * size]
             hashes.append(block_hash(ROOT_HASH if parent is None else parent, block_tokens))
             if not self.kv_cache.pool.cache(table[i], hashes[-1]):
-                stored = None  # another block caches this prefix: the run breaks
-            elif stored is None:
-                stored = BlocksStored(parent, [hashes[-1]], [block_tokens])
-                self.events.add(stored)
+                continue  # another block caches this prefix already: no event
+            if runs and runs[-1].hashes[-1] == parent:
+                runs[-1].hashes.append(hashes[-1])
+                runs[-1].token_ids.append(block_tokens)
             else:
-                stored.hashes.append(hashes[-1])
-                stored.token_ids.append(block_tokens)
+                runs.append(BlocksStored(parent, [hashes[-1]], [block_tokens]))
+        for run in runs:
+            self.events.add(run)
 
     def clear(self) -> None:
         """Forget every cached block (a flush)."""

@@ -22,12 +22,15 @@ HELP = {
              "else float32)",
     "threads": "torch CPU threads; give each service its own cores",
     "max_num_seqs": "running sequences, each with its own KV block table",
-    "kv_cache_tokens": "the KV cache's size in tokens, in blocks of 16 (0: max-num-seqs x max-model-len); "
+    "kv_cache_tokens": "the KV cache's size in tokens, in whole blocks (0: max-num-seqs x max-model-len); "
                        "sequences take blocks as they grow, and when none are left the newest is preempted "
                        "and recomputed later; at least max-model-len",
     "max_queue": "waiting requests beyond which new ones get RESOURCE_EXHAUSTED",
-    "prefix_caching": "reuse the KV a finished sequence left in its slot for a new prompt that starts with the "
-                      "same tokens (--no-prefix-caching: prefill every prompt whole)",
+    "block_size": "KV positions per block, a multiple of 16: the unit sequences take KV in and the prefix cache "
+                  "finds prefixes in",
+    "prefix_caching": "cache every full KV block by a hash of the tokens up to it, so that a prompt starting with "
+                      "cached blocks (another turn, a shared system prompt) prefills only the rest; published as "
+                      "KV events (--no-prefix-caching: prefill every prompt whole)",
     "drafter": "host:port of a draft service; several, comma-separated, or dns:///host:port (every address the "
                "name resolves to): the target streams to one and fails over to the next; empty serves without "
                "speculation",

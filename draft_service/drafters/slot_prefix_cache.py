@@ -9,10 +9,10 @@ A slot holds the KV of the tokens its last sequence ran through the model. When 
 the slot is kept with those tokens. A new sequence takes the free slot whose kept tokens share the
 longest prefix with its prompt, and prefills only the rest: the next turn of a conversation, or
 another request with the same system prompt. Without a match it takes a slot that keeps nothing,
-else the one freed longest ago. A kept slot holds the KV blocks of its tokens (kv_cache.py); when
-the pool runs short, the slots kept longest give theirs up first (`make_room`). The key is the tokens alone: each service holds one model, and the
-decoders' rows do not depend on their batch (the native decoder bit for bit), so the kept KV is
-the one a prefill would compute.
+else the one freed longest ago. A kept slot holds the KV blocks of its tokens (kv_cache.py); the
+drafter's pool has a slot's worth of blocks for every slot, so keeping never runs it short. The
+key is the tokens alone: each service holds one model, and the decoders' rows do not depend on
+their batch (the native decoder bit for bit), so the kept KV is the one a prefill would compute.
 """
 from __future__ import annotations
 
@@ -44,18 +44,6 @@ class SlotPrefixCache:
         self.kv_cache.take(best)
         self.kv_cache.shrink(best, cached)  # blocks past the reused prefix hold nothing its new owner wants
         return best, cached
-
-    @property
-    def kept_blocks(self) -> int:
-        """Blocks that free slots hold for their kept tokens: the pool's to take back when it runs short."""
-        return sum(self.kv_cache.num_blocks_of(slot) for slot in self._kept)
-
-    def make_room(self, blocks: int) -> None:
-        """Forget kept slots, the one kept longest first, until the pool has this many free blocks (or
-        nothing is kept)."""
-        while self.kv_cache.num_free_blocks < blocks and self._kept:
-            slot, _ = self._kept.popitem(last=False)
-            self.kv_cache.shrink(slot, 0)
 
     def release(self, slot: int, tokens: list[int]) -> None:
         """Free the slot; it keeps the KV of `tokens` (nothing, when empty or caching is off), and

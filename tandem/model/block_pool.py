@@ -3,7 +3,9 @@
 A block is held by every slot whose block table lists it (a reference count); it is free when none
 does. A full block of a prompt can be cached under the chained hash of its tokens
 (tandem/prefix_cache.py); it then stays cached while free, and a later slot that finds its hash
-holds it again instead of recomputing its KV. Taking a block for new KV takes the free blocks that
+holds it again instead of recomputing its KV. Two slots that computed the same prefix in one step
+cache two blocks under one hash, as vLLM does: a later slot finds the first, and the hash stays
+cached until the last of them is evicted. Taking a block for new KV takes the free blocks that
 cache nothing first, then the cached ones, the one freed longest ago first (least recently used),
 and forgets what they cached. With an event log, each block forgotten is recorded (kv_events.py).
 """
@@ -25,7 +27,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # taken from the front
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, int] = {}  # cached block -> its hash
-        self._block_of: dict[int, int] = {}  # hash -> the block caching it
+        self._blocks_of: dict[int, list[int]] = {}  # hash -> the blocks caching it, the one found first
         self.events: KvEventLog | None = None  # where evictions are recorded, when someone publishes them
 
     @property
@@ -35,7 +37,8 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self._block_of)
+        """Hashes cached."""
+        return len(self._blocks_of)
 
     def take(self, count: int) -> list[int]:
         """Blocks for new KV, each held once; what they cached is forgotten."""
@@ -46,8 +49,12 @@ class BlockPool:
         for block in blocks:
             self._refs[block] = 1
             block_hash = self._hash_of.pop(block, None)
-            if block_hash is not None:
-                del self._block_of[block_hash]
+            if block_hash is None:
+                continue
+            caching = self._blocks_of[block_hash]
+            caching.remove(block)
+            if not caching:
+                del self._blocks_of[block_hash]
                 evicted.append(block_hash)
         if evicted and self.events is not None:
             self.events.add(BlocksRemoved(evicted))
@@ -70,17 +77,19 @@ class BlockPool:
                 self._free.move_to_end(block, last=False)
 
     def cached(self, block_hash: int) -> int | None:
-        """The block caching this hash, if any."""
-        return self._block_of.get(block_hash)
+        """A block caching this hash, if any."""
+        caching = self._blocks_of.get(block_hash)
+        return caching[0] if caching else None
 
     def cache(self, block: int, block_hash: int) -> bool:
-        """The block's KV is that of the tokens with this hash; a hash already cached keeps its block.
-        True when the block is newly cached."""
-        if block_hash in self._block_of or block in self._hash_of:
+        """The block's KV is that of the tokens with this hash. True when the hash was not cached
+        before (by this block or another)."""
+        if block in self._hash_of:
             return False
-        self._block_of[block_hash] = block
         self._hash_of[block] = block_hash
-        return True
+        caching = self._blocks_of.setdefault(block_hash, [])
+        caching.append(block)
+        return len(caching) == 1
 
     def clear_cached(self) -> None:
         """Forget every cached hash; the blocks stay with their holders, or free."""
@@ -88,7 +97,7 @@ class BlockPool:
             if not self._refs[block]:
                 self._free.move_to_end(block, last=False)
         self._hash_of.clear()
-        self._block_of.clear()
+        self._blocks_of.clear()
         if self.events is not None:
             self.events.add(AllBlocksCleared())
 

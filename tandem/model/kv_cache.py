@@ -94,8 +94,8 @@ class KVCache:
 
     @property
     def usage(self) -> float:
-        """The share of the pool's blocks held by allocated slots (a freed slot's kept blocks are not
-        counted: they hold cached prefixes that give way when blocks run short)."""
+        """The share of the pool's blocks held by allocated slots, each block once however many hold it
+        (blocks that free slots keep, or that cache a prefix, are not counted)."""
         free = set(self._free)
         held = {block for slot, table in enumerate(self._tables[: self.num_slots]) if slot not in free
                 for block in table}

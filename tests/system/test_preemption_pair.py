@@ -20,8 +20,8 @@ MODES = ({}, {"temperature": 1.0, "seed": 11, "drafter_invariant": True})
 
 @pytest.mark.parametrize("caching", [[], ["--no-prefix-caching"]], ids=["cached", "uncached"])
 def test_preempted_sequences_recompute_their_kv_and_keep_the_target_alones_tokens(shared_drafter, tmp_path, caching):
-    """256 positions of KV (16 blocks) and 4 slots; each request may reach about 150 positions, so
-    four at once run the pool dry. With the prefix cache, prompts find the blocks of their runs alone
+    """256 positions of KV (16 blocks) and 4 slots; each request reaches about 140 positions (9
+    blocks), so four at once run the pool dry, with or without shared prefix blocks. With the prefix cache, prompts find the blocks of their runs alone
     and a preempted sequence finds its full blocks again (unless evicted); without it, its new slot
     holds nothing. Greedy, and sampled in drafter-invariant mode (keyed by seed and position,
     bit-identical to the target alone): both give each request's tokens alone, with speculation."""
@@ -61,6 +61,8 @@ def _assert_no_kv_events(address: str) -> None:
 
 
 def _request(prompt: str, speculate: bool = True, **mode):
-    request = greedy_request(prompt, 100, speculate=speculate, **{k: v for k, v in mode.items() if k != "temperature"})
+    # ignore_eos: every request reaches its prompt plus 100 tokens, so that the pool surely runs dry
+    request = greedy_request(prompt, 100, speculate=speculate, ignore_eos=True,
+                             **{k: v for k, v in mode.items() if k != "temperature"})
     request.sampling_params.temperature = mode.get("temperature", 0.0)
     return request

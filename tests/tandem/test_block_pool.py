@@ -1,6 +1,7 @@
 """The KV pool's blocks: reference counts, the blocks cached under a hash, and which block new KV takes."""
 import pytest
 
+from tandem.kv_events import BlocksRemoved, KvEventLog
 from tandem.model.block_pool import BlockPool, CacheFullError
 
 
@@ -32,10 +33,14 @@ def test_a_cached_block_found_again_is_held_and_leaves_the_free_blocks():
     assert pool.take(1) != [block]
 
 
-def test_a_hash_keeps_its_first_block_and_a_block_its_first_hash():
+def test_a_hash_cached_by_two_blocks_stays_cached_until_both_are_evicted():
+    """Two slots computed the same prefix in one step: a later slot finds the first block; the hash
+    is removed (and recorded so) only with the last block caching it. A block keeps its first hash."""
     pool = BlockPool(3)
+    pool.events = KvEventLog()
     a, b, _ = pool.take(3)
-    pool.cache(a, 1)
-    pool.cache(b, 1)
-    pool.cache(a, 2)
+    assert pool.cache(a, 1) and not pool.cache(b, 1) and not pool.cache(a, 2)
     assert (pool.cached(1), pool.cached(2), pool.num_cached) == (a, None, 1)
+    pool.release([a, b])  # a freed first: evicted first
+    assert pool.take(1) == [a] and pool.cached(1) == b and pool.events.take() == []
+    assert pool.take(1) == [b] and pool.cached(1) is None and pool.events.take() == [BlocksRemoved([1])]

@@ -91,16 +91,20 @@ def test_the_blocks_cached_evicted_and_cleared_are_recorded_as_kv_events():
     assert cache.events.take() == [AllBlocksCleared()] and _found(cache, TOKENS) == 0
 
 
-def test_a_prefix_another_block_caches_already_breaks_the_run_of_stored_blocks():
-    """Two slots computed the same first block in one step: the second's block is not cached, and its
-    next block is stored with the first block's hash as its parent."""
-    cache = _cache()
+def test_a_prefix_two_slots_computed_is_stored_once_and_outlives_the_first_slot():
+    """Two slots computed the same first block in one step: it is recorded once, and the second's next
+    block is stored with it as its parent. When the first slot's blocks are evicted, the second's
+    still serve the whole prefix, and nothing is recorded removed."""
+    cache = _cache(num_blocks=8)
     a, b = _run(cache, TOKENS, 0), _run(cache, TOKENS, 0)
     cache.cache_blocks(a, TOKENS, 16)
     cache.cache_blocks(b, TOKENS, 32)
     hashes = block_hashes(TOKENS, 16)
     assert cache.events.take() == [BlocksStored(None, hashes[:1], [TOKENS[:16]]),
                                    BlocksStored(hashes[0], hashes[1:2], [TOKENS[16:32]])]
+    cache.release(a)
+    cache.kv_cache.reserve(cache.allocate([])[0], 4 * DEFAULT_BLOCK_SIZE)  # a's four blocks, evicted
+    assert cache.events.take() == [] and _found(cache, TOKENS) == 32
 
 
 def test_with_larger_blocks_prefixes_are_cached_in_whole_blocks_of_that_size():

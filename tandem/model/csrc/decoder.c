@@ -22,8 +22,8 @@
 #include "pool.h"
 #include "vec.h"
 
-#define KEY_BLOCK 16     /* positions per KV block (kv_cache.BLOCK_SIZE); K blocks are [head_dim, 16],
-                            so a block's scores are vector FMAs */
+#define KEY_BLOCK 16     /* positions per KV page (kv_cache.PAGE_SIZE); K pages are [head_dim, 16],
+                            so a page's scores are vector FMAs */
 
 typedef struct {
     const float* attn_norm;
