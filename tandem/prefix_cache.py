@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from tandem.kv_events import BlocksStored, KvEventLog
 from tandem.model.kv_cache import KVCache
@@ -36,13 +36,14 @@ def block_hash(parent: int, tokens: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """The chained hash of each full block of the tokens."""
-    hashes, parent = [], ROOT_HASH
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+def chained_hashes(tokens: Sequence[int], block_size: int, first: int = 0,
+                   parent: int = ROOT_HASH) -> Iterator[tuple[int, Sequence[int]]]:
+    """Each full block of the tokens from block `first` on (whose parent hashed to `parent`): its
+    chained hash and its tokens, computed as the caller asks for them."""
+    for start in range(first * block_size, len(tokens) - block_size + 1, block_size):
+        block_tokens = tokens[start : start + block_size]
+        parent = block_hash(parent, block_tokens)
+        yield parent, block_tokens
 
 
 class PrefixCache:
@@ -60,8 +61,8 @@ class PrefixCache:
         found: list[int] = []
         hashes: list[int] = []
         if self.enabled and reuse:
-            for prefix_hash in block_hashes(tokens[: len(tokens) - 1], self.kv_cache.block_size):
-                block = self.kv_cache.pool.cached(prefix_hash)
+            for prefix_hash, _ in chained_hashes(tokens[: len(tokens) - 1], self.kv_cache.block_size):
+                block = self.kv_cache.pool.cached(prefix_hash)  # the walk, and the hashing, stop at a miss
                 if block is None:
                     break
                 found.append(block)
@@ -77,11 +78,11 @@ class PrefixCache:
             return
         table = self.kv_cache.block_table(slot)
         runs: list[BlocksStored] = []  # runs of blocks whose hash is new
-        for i in range(len(hashes), computed // size):
+        blocks = chained_hashes(tokens[:computed], size, len(hashes), hashes[-1] if hashes else ROOT_HASH)
+        for i, (new_hash, block_tokens) in enumerate(blocks, start=len(hashes)):
             parent = hashes[-1] if hashes else None
-            block_tokens = tokens[i * size : (i + 1) * size]
-            hashes.append(block_hash(ROOT_HASH if parent is None else parent, block_tokens))
-            if not self.kv_cache.pool.cache(table[i], hashes[-1]):
+            hashes.append(new_hash)
+            if not self.kv_cache.pool.cache(table[i], new_hash):
                 continue  # another block caches this prefix already: no event
             if runs and runs[-1].hashes[-1] == parent:
                 runs[-1].hashes.append(hashes[-1])

@@ -12,6 +12,7 @@ import hashlib
 import importlib.metadata
 import io
 import json
+import math
 import time
 import uuid
 import zipfile
@@ -175,8 +176,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def FlushCache(self, request, context) -> common_pb2.FlushCacheResponse:
         """Forget every cached prefix block once no request is in flight, waiting up to timeout_s for that."""
+        if not 0 <= request.timeout_s < math.inf:  # NaN fails both comparisons
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"timeout_s must be a finite number of seconds, 0 or more; got {request.timeout_s}")
         engine = self.serving.engine
-        deadline = time.monotonic() + max(0.0, request.timeout_s)
+        deadline = time.monotonic() + request.timeout_s
         while not engine.scheduler.idle and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not engine.scheduler.idle:

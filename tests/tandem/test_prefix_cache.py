@@ -6,9 +6,13 @@ import torch
 from tandem.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from tandem.model.random_weights import SHAPES
-from tandem.prefix_cache import PrefixCache, block_hashes
+from tandem.prefix_cache import PrefixCache, chained_hashes
 
 TOKENS = list(range(100, 150))  # three full blocks and two tokens
+
+
+def block_hashes(tokens: list[int], block_size: int) -> list[int]:
+    return [h for h, _ in chained_hashes(tokens, block_size)]
 
 
 def _cache(num_blocks: int = 12, enabled: bool = True) -> PrefixCache:

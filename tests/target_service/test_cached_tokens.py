@@ -16,9 +16,9 @@ from tests.support.service_fixtures import greedy_request, run_requests
 PROMPT = "Tell me about prefix caching in two sentences."
 
 
-def cacheable(prompt_tokens: int) -> int:
+def cacheable(prompt_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """The prompt tokens in the full KV blocks before its last token: what a repeat finds cached."""
-    return (prompt_tokens - 1) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
+    return (prompt_tokens - 1) // block_size * block_size
 
 
 def test_every_front_door_reports_the_cached_prompt_tokens(front_doors, smollm2_path):
@@ -56,6 +56,6 @@ def test_with_blocks_of_64_a_target_caches_whole_blocks_and_gives_the_same_token
         samples = scrape(target.metrics_url)
     finally:
         target.kill()
-    assert first.cached_tokens == 0 and again.cached_tokens == (again.prompt_tokens - 1) // 64 * 64 > 0
+    assert first.cached_tokens == 0 and again.cached_tokens == cacheable(again.prompt_tokens, 64) > 0
     assert first.token_ids == again.token_ids == reference.token_ids
     assert metric(samples, "vllm:cache_config_info", block_size="64") == 1

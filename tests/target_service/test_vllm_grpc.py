@@ -314,6 +314,13 @@ def test_kv_events_report_the_blocks_a_prompt_filled_and_a_flush(stub, tokenizer
         events.call.cancel()
 
 
+@pytest.mark.parametrize("timeout_s", [-1.0, float("nan"), float("inf")])
+def test_a_flush_with_a_bad_timeout_is_invalid_argument(stub, timeout_s):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=timeout_s), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s must be" in info.value.details()
+
+
 def test_kv_events_resume_after_the_last_batch_applied_or_are_out_of_range(stub, tokenizer):
     events = _Subscription(stub)
     try:
