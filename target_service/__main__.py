@@ -25,6 +25,9 @@ HELP = {
     "kv_cache_tokens": "the KV cache's size in tokens, in whole blocks (0: max-num-seqs x max-model-len); "
                        "sequences take blocks as they grow, and when none are left the newest is preempted "
                        "and recomputed later; at least max-model-len",
+    "max_num_batched_tokens": "tokens one step runs at most (vLLM's token budget): running sequences' tokens and "
+                              "drafts first, then prompts, a longer one in chunks over several steps, so that a "
+                              "long prompt does not stall the running streams; prompts always get 16",
     "max_queue": "waiting requests beyond which new ones get RESOURCE_EXHAUSTED",
     "block_size": "KV positions per block, a multiple of 16: the unit sequences take KV in and the prefix cache "
                   "finds prefixes in",

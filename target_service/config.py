@@ -7,6 +7,8 @@ from target_service.drafter_addresses import DrafterAddresses
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, PAGE_SIZE
 from tandem.tls import ClientTls, ServerTls, read_token
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # vLLM's first chunked-prefill default; on CPUs a step of 2048 prompt tokens takes seconds
+
 
 @dataclass(slots=True)
 class TargetConfig:
@@ -23,6 +25,8 @@ class TargetConfig:
     max_model_len: int = 2048
     kv_cache_tokens: int = 0  # the KV cache's size in tokens, in whole blocks; 0: max_num_seqs x max_model_len
     block_size: int = DEFAULT_BLOCK_SIZE  # KV positions per block, a multiple of 16: the unit of allocation and prefix caching
+    # tokens one step runs at most, running sequences' first; longer prompts are prefilled in chunks
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_queue: int = 64  # waiting requests beyond which new ones get RESOURCE_EXHAUSTED
     prefix_caching: bool = True  # full KV blocks stay cached, found by later prompts that start with their tokens
     # host:port of a draft service, several comma-separated, or dns:///host:port; empty: no speculation
@@ -51,7 +55,8 @@ class TargetConfig:
     def __post_init__(self) -> None:
         positive = {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
                     "threads": self.threads, "max_message_bytes": self.max_message_bytes,
-                    "grammar_cache_size": self.grammar_cache_size}
+                    "grammar_cache_size": self.grammar_cache_size,
+                    "max_num_batched_tokens": self.max_num_batched_tokens}
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

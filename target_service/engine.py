@@ -23,12 +23,13 @@ from target_service.draft_plan import DraftPlan
 from target_service.errors import RequestError
 from target_service.kv_event_stream import KvEventStream
 from target_service.metrics import TargetMetrics
-from target_service.scheduler import Scheduler
+from target_service.scheduler import PromptChunk, Scheduler
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence
 from target_service.speculator import Speculator
 from target_service.model_runner import PrefillItem, ModelRunner, Verified
 from target_service.stops import StopChecker
 from tandem.detokenizer import IncrementalDetokenizer
+from tandem.model.batch import SequenceChunk
 from tandem.structured.grammar import Matcher
 from tandem.tokenizer import Tokenizer
 
@@ -147,13 +148,13 @@ class Engine:
             await self._work.wait()
             return
         batch = self.scheduler.schedule(full_prefills=bool(self.speculator.feature_layers))
-        if batch.prefills:
-            self.speculator.admit(batch.prefills)  # before our prefill, so that the drafter's runs beside it
-            results = await self._prefill(batch.prefills)
+        self.speculator.admit(batch.admitted)  # before our prefill, so that the drafter's runs beside it
+        if batch.prefills or batch.chunks:
+            results = await self._prefill(batch.prefills, batch.chunks)
             await self._publish(batch.prefills, results, self._commit(batch.prefills, results), [0] * len(results))
         decodes = [seq for seq in batch.decodes if seq.finish is None]
         if decodes:
-            plan = await self.speculator.schedule(decodes, admission=self.scheduler.can_admit)
+            plan = await self.speculator.schedule(decodes, admission=self.scheduler.prompts_pending)
             firsts = [len(seq.token_ids) - 1 for seq in plan.seqs]  # where each result's feature rows start
             results, seconds = await self._verify(plan)
             for seq in plan.seqs:
@@ -167,24 +168,29 @@ class Engine:
         """Publish what the prefix cache stored and evicted since the last call, as one batch."""
         self.kv_events.publish(self.scheduler.prefix_cache.events.take())
 
-    async def _prefill(self, admitted: list[Sequence]) -> list[Verified]:
-        """A request's first sample runs the prompt, past what its slot holds already (prefix caching);
-        its other samples (admitted right after it) share its KV."""
+    async def _prefill(self, prefills: list[Sequence], chunks: list[PromptChunk]) -> list[Verified]:
+        """The prefills' first tokens, and the chunks' KV, in one forward. A request's first sample
+        runs the prompt from what its slot holds (prefix caching, earlier chunks); its other samples
+        (right after it) share its KV."""
         first: dict[int, int] = {}  # group -> the batch index of its first sample
         items = []
-        for b, s in enumerate(admitted):
+        for b, s in enumerate(prefills):
             leader = first.get(s.group)
             items.append(PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling,
                                      grammar=s.grammar, logits_context=s.logits_context(), logprobs=s.options.logprobs,
-                                     prompt_logprobs=s.options.prompt_logprobs, copy_of=leader, cached=s.cached_tokens))
+                                     prompt_logprobs=s.options.prompt_logprobs, copy_of=leader, cached=s.prefilled))
             first.setdefault(s.group, b)
+        partial = [SequenceChunk(slot=c.seq.slot, start=c.seq.prefilled, token_ids=c.seq.prompt_ids[c.seq.prefilled:c.end])
+                   for c in chunks]
         started = time.perf_counter()
-        results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers)
+        results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers, partial)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
-        prompts = [i for i in items if i.copy_of is None]
-        self.metrics.prompt_tokens.inc(sum(len(i.prompt_ids) for i in prompts))
-        self.metrics.prefix_cache_queries.inc(sum(len(i.prompt_ids) for i in prompts))
-        self.metrics.prefix_cache_hits.inc(sum(i.cached for i in prompts))
+        for c in chunks:
+            c.seq.prefilled = c.end
+        prompts = [s for s, i in zip(prefills, items) if i.copy_of is None]
+        self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in prompts))
+        self.metrics.prefix_cache_queries.inc(sum(len(s.prompt_ids) for s in prompts))
+        self.metrics.prefix_cache_hits.inc(sum(s.cached_tokens for s in prompts))
         return results
 
     async def _verify(self, plan: DraftPlan) -> tuple[list[Verified], float]:

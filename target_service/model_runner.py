@@ -111,18 +111,26 @@ class ModelRunner:
             self.model.kv_cache.free(slot)
 
     @torch.inference_mode()
-    def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = ()) -> list[Verified]:
-        """Each item's first token; capture: also the features of these target layers (Verified.features)."""
+    def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = (),
+                partial: list[SequenceChunk] = ()) -> list[Verified]:
+        """Each item's first token; capture: also the features of these target layers (Verified.features).
+
+        partial: earlier chunks of longer prompts, run in the same forward for their KV alone."""
         runs = [b for b, i in enumerate(items) if i.copy_of is None]  # the items whose prompts run
         chunks = [SequenceChunk(slot=items[b].slot, start=items[b].cached, token_ids=items[b].prompt_ids[items[b].cached:],
                                 num_logits=items[b].num_logits) for b in runs]
+        if not chunks:
+            self.model.run(list(partial))
+            return []
+        num_rows = sum(c.num_logits for c in chunks)  # the partial chunks' rows come after these
         masks = self._start_masks([(i.grammar, ()) for i in items])
         if capture or all(items[b].prompt_logprobs is None for b in runs):
-            rows, features = self._forward(chunks, capture)  # logits [sum(num_logits), vocab]
+            rows, features = self._forward(chunks + list(partial), capture)  # logits [sum(num_logits), vocab]
             to_logits = None
         else:  # prompts' logprobs: hidden states [sum(num_logits), hidden], turned into logits in chunks
-            rows, features = self.model.final_hidden(self.model.build_batch(chunks)), [None] * len(chunks)
-            to_logits = self.model.logits
+            rows = self.model.final_hidden(self.model.build_batch(chunks + list(partial)))
+            features, to_logits = [None] * len(chunks), self.model.logits
+        rows, features = rows[:num_rows], features[:len(chunks)]
         logits, prompt_logprobs = _prompt_logprobs(rows, [items[b] for b in runs], to_logits)  # [runs, vocab]
         if len(runs) < len(items):  # samples of one prompt: its KV shared, its row repeated
             run_of = {b: r for r, b in enumerate(runs)}

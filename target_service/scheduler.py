@@ -14,6 +14,12 @@ last step filled are cached. A sequence is WAITING from submit to admission, RUN
 holds a KV slot, and FINISHED once its slot is freed. A running sequence whose finish reason is
 set keeps its slot until the step that used it has published its tokens: `release_finished` then
 frees it.
+
+Each step runs at most `max_num_batched_tokens` tokens (vLLM's token budget, chunked prefill): the
+running sequences' tokens and drafts first, then prompts in the order they came, a long prompt in
+chunks over several steps. A chunk writes KV and samples nothing; the prompt's last chunk gives its
+first token. Prompts whose every position's logits or features are read (prompt_logprobs, a
+drafter that reads target features) run whole, once nothing else prefills in that step.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from target_service.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from tandem.prefix_cache import PrefixCache
@@ -31,20 +38,36 @@ from target_service.sequence import FinishReason, Sequence, SequenceStatus
 from tandem.model.kv_cache import KVCache
 
 
+# Prompt tokens a step prefills at the least, whatever the running sequences take: prompts always advance.
+MIN_PREFILL_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class PromptChunk:
+    """Positions [seq.prefilled, end) of a prompt that is not the prompt's end: KV written, nothing sampled."""
+
+    seq: Sequence
+    end: int
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledBatch:
-    """One step's work: sequences to prefill (admitted now) and sequences to decode or verify."""
+    """One step's work: prompts that end this step (they get their first token), earlier chunks of
+    long prompts, sequences to decode or verify, and the sequences new to the drafter."""
 
     prefills: list[Sequence]
+    chunks: list[PromptChunk]
     decodes: list[Sequence]
+    admitted: list[Sequence]
 
 
 class Scheduler:
     def __init__(self, kv_cache: KVCache, max_num_seqs: int, max_queue: int, metrics: TargetMetrics,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
         self.kv_cache = kv_cache
         self.prefix_cache = PrefixCache(kv_cache, prefix_caching)
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_queue = max_queue
         self.metrics = metrics
         self.waiting: deque[Sequence] = deque()
@@ -97,19 +120,32 @@ class Scheduler:
 
     def schedule(self, full_prefills: bool = False) -> ScheduledBatch:
         """Cache the blocks the last step filled, give the running sequences their blocks (preempting
-        when short), then admit what fits; the live running sequences, and the preempted ones
-        readmitted, decode or verify.
+        when short), then share the step's token budget: the running sequences decode or verify,
+        prompts already admitted go on, and new ones are admitted while tokens are left.
 
         full_prefills: the prefills run every prompt position (the drafter reads their features), so
-        new sequences take no cached prefix."""
+        new sequences take no cached prefix, and their prompts run whole."""
         live = [s for s in self.running if s.finish is None]
         for seq in live:
             self._cache_blocks(seq)
         self._grow(live)
-        admitted = self._admit(full_prefills)
-        decodes = [s for s in self.running if s.finish is None and s not in admitted]
-        return ScheduledBatch(prefills=[s for s in admitted if s.replay_from is None],
-                              decodes=decodes + [s for s in admitted if s.replay_from is not None])
+        live = [s for s in self.running if s.finish is None]
+        decodes = [s for s in live if s.num_generated]
+        budget = _Budget(self.max_num_batched_tokens - sum(map(self._step_tokens, decodes)))
+        prefills: list[Sequence] = []
+        chunks: list[PromptChunk] = []
+        prompts: dict[int, list[Sequence]] = {}  # group -> its samples before their first token
+        for seq in live:
+            if not seq.num_generated:
+                prompts.setdefault(seq.group, []).append(seq)
+        for samples in prompts.values():
+            self._take_prompt(samples, budget, prefills, chunks, full_prefills)
+        admitted = self._admit(full_prefills, budget, prefills, chunks, decodes)
+        return ScheduledBatch(prefills=prefills, chunks=chunks, decodes=decodes, admitted=admitted)
+
+    def prompts_pending(self) -> bool:
+        """A prompt waits for its next chunk, or a request waits to be admitted: a step should not wait on drafts."""
+        return self.can_admit() or any(not s.num_generated and s.finish is None for s in self.running)
 
     def dequeue(self, seq: Sequence) -> bool:
         """Take a waiting sequence out of the queue (an abort); False when it is not waiting."""
@@ -134,25 +170,50 @@ class Scheduler:
         self.metrics.running.set(len(self.running))
         return finished
 
-    def _admit(self, full_prefills: bool) -> list[Sequence]:
+    def _admit(self, full_prefills: bool, budget: "_Budget", prefills: list[Sequence], chunks: list[PromptChunk],
+               decodes: list[Sequence]) -> list[Sequence]:
+        """Admit waiting groups while they fit and the budget has tokens left; returns the sequences
+        new to the drafter (not the preempted ones coming back)."""
         admitted = []
-        while self.can_admit():
-            for seq in self._next_group():
+        while budget.left > 0 and self.can_admit():
+            group = self._next_group()
+            for seq in group:
                 if seq.num_generated:  # preempted: its committed tokens, of which its new slot may hold some
                     seq.slot, seq.replay_from = self.prefix_cache.allocate(seq.token_ids)
+                    decodes.append(seq)
+                    budget.take(self._step_tokens(seq))
                 else:
                     reuse = not full_prefills and seq.options.prompt_logprobs is None  # else every position runs
-                    seq.slot, seq.cached_tokens = self.prefix_cache.allocate(seq.prompt_ids, reuse)
-                    seq.admitted_at = time.perf_counter()
-                    self.metrics.queue_time.observe(seq.admitted_at - seq.arrival)
+                    seq.slot, seq.prefilled = self.prefix_cache.allocate(seq.prompt_ids, reuse)
+                    if seq.admitted_at is None:  # else preempted before its first token: the drafter has it
+                        seq.cached_tokens = seq.prefilled
+                        seq.admitted_at = time.perf_counter()
+                        self.metrics.queue_time.observe(seq.admitted_at - seq.arrival)
+                        admitted.append(seq)
                 self.kv_cache.reserve(seq.slot, self._positions_needed(seq))
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                admitted.append(seq)
+            fresh = [s for s in group if not s.num_generated]
+            if fresh:
+                self._take_prompt(fresh, budget, prefills, chunks, full_prefills)
         self.metrics.waiting.set(len(self.waiting))
         self.metrics.running.set(len(self.running))
         return admitted
+
+    def _take_prompt(self, samples: list[Sequence], budget: "_Budget", prefills: list[Sequence],
+                     chunks: list[PromptChunk], full_prefills: bool) -> None:
+        """The first sample runs the prompt to its end if the budget allows (the others then share it),
+        else a chunk of it; a prompt that cannot be chunked runs whole, but only as the step's first."""
+        leader = samples[0]
+        remaining = len(leader.prompt_ids) - leader.prefilled
+        whole = full_prefills or leader.options.prompt_logprobs is not None
+        if remaining <= budget.left or (whole and not prefills and not chunks):
+            prefills.extend(samples)
+            budget.take(remaining)
+        elif not whole and budget.left > 0:
+            chunks.append(PromptChunk(leader, leader.prefilled + budget.left))
+            budget.take(budget.left)
 
     def _next_group(self) -> list[Sequence]:
         """The first waiting request's waiting samples: they stand together at the head of the queue."""
@@ -186,9 +247,13 @@ class Scheduler:
         self.metrics.running.set(len(self.running))
 
     def _cache_blocks(self, seq: Sequence) -> None:
-        """Cache the full blocks of the sequence's KV: every committed token but the last, or, before
-        its replay has run, the tokens its slot was admitted with."""
-        computed = len(seq.token_ids) - 1 if seq.replay_from is None else seq.replay_from
+        """Cache the full blocks of the sequence's KV: every committed token but the last, the prompt
+        positions prefilled so far before its first token, or, before its replay has run, the tokens
+        its slot was admitted with."""
+        if not seq.num_generated:
+            computed = seq.prefilled
+        else:
+            computed = len(seq.token_ids) - 1 if seq.replay_from is None else seq.replay_from
         self.prefix_cache.cache_blocks(seq.slot, seq.token_ids, computed)
 
     def _positions_needed(self, seq: Sequence) -> int:
@@ -196,6 +261,12 @@ class Scheduler:
         a verify's drafts (at most k, and never past its prompt and max_tokens)."""
         return min(len(seq.prompt_ids) + seq.options.max_tokens,
                    len(seq.token_ids) + 1 + seq.options.num_speculative_tokens)
+
+    def _step_tokens(self, seq: Sequence) -> int:
+        """The tokens a decode or verify step runs for the sequence at most: its replay, its last
+        token and its drafts."""
+        start = len(seq.token_ids) - 1 if seq.replay_from is None else seq.replay_from
+        return len(seq.token_ids) - start + seq.options.num_speculative_tokens
 
     def _blocks_needed(self, seq: Sequence) -> int:
         return self.kv_cache.blocks_for(self._positions_needed(seq))
@@ -207,3 +278,13 @@ class Scheduler:
     def _forget(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.sequences.pop(seq.seq_id, None)
+
+
+class _Budget:
+    """The tokens a step has left to give, at least MIN_PREFILL_TOKENS for prompts."""
+
+    def __init__(self, left: int):
+        self.left = max(left, MIN_PREFILL_TOKENS)
+
+    def take(self, tokens: int) -> None:
+        self.left -= tokens

@@ -126,7 +126,8 @@ async def serve(config: TargetConfig) -> None:
     kv_cache = loaded.model.kv_cache
     speculator = Speculator(speculation_policy(config), metrics, vocab_size=loaded.config.vocab_size,
                             max_len=kv_cache.max_len, connect=connect)
-    scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_queue, metrics, config.prefix_caching)
+    scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_queue, metrics, config.prefix_caching,
+                          config.max_num_batched_tokens)
     metrics.describe_cache(kv_cache.block_size, kv_cache.num_blocks, str(kv_cache.v[0].dtype).removeprefix("torch."),
                            config.prefix_caching)
     engine = Engine(ModelRunner(loaded.model, metrics), scheduler, speculator, loaded.tokenizer, config, metrics)

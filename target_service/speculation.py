@@ -64,7 +64,7 @@ class SpeculationPolicy:
     an update unanswered for longer than its patience (a few round trips, and at least the longest
     wait), it is taken as hung or busy: steps stop waiting for it until it answers again."""
 
-    admission_ends_wait = True  # a request to admit ends a wait for drafts: waiting never delays a prefill
+    admission_ends_wait = True  # a prompt to admit or to continue ends a wait for drafts: waiting never delays a prefill
     drafts_before_publish = False  # committed tokens go to clients at once, without waiting for the next drafts
     accepts_predrafts = True  # sequences are opened for pre-drafts: the drafter drafts ahead, the target caches
 

@@ -107,7 +107,8 @@ class Speculator:
         """The drafts each sequence verifies this step: its budget (the policy's, decided once from
         the caps), waited for where missing, and cut to the budget. Counts misses and stale proposals.
 
-        admission: whether a request waits to be admitted, which ends the wait when the policy says so.
+        admission: whether a prompt waits (to be admitted, or for its next chunk), which ends the wait
+        when the policy says so.
         """
         states = [self._states[seq.seq_id] for seq in seqs]
         plan = self._plan(states)

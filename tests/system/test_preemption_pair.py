@@ -18,23 +18,33 @@ PROMPTS = ["Count from one to forty in words, separated by commas.",
 MODES = ({}, {"temperature": 1.0, "seed": 11, "drafter_invariant": True})
 
 
-@pytest.mark.parametrize("caching", [[], ["--no-prefix-caching"]], ids=["cached", "uncached"])
-def test_preempted_sequences_recompute_their_kv_and_keep_the_target_alones_tokens(shared_drafter, tmp_path, caching):
+VARIANTS = {"cached": [], "uncached": ["--no-prefix-caching"], "chunked": ["--max-num-batched-tokens", "16"]}
+
+
+@pytest.mark.parametrize("flags", VARIANTS.values(), ids=VARIANTS.keys())
+def test_preempted_sequences_recompute_their_kv_and_keep_the_target_alones_tokens(shared_drafter, tmp_path, request,
+                                                                                  flags):
     """256 positions of KV (16 blocks) and 4 slots; each request reaches about 140 positions (9
     blocks), so four at once run the pool dry, with or without shared prefix blocks. With the prefix cache, prompts find the blocks of their runs alone
     and a preempted sequence finds its full blocks again (unless evicted); without it, its new slot
     holds nothing. Greedy, and sampled in drafter-invariant mode (keyed by seed and position,
-    bit-identical to the target alone): both give each request's tokens alone, with speculation."""
+    bit-identical to the target alone): both give each request's tokens alone, with speculation.
+
+    chunked: a step runs 16 prompt positions beside the running sequences' tokens, so the prompts
+    (about 45 tokens with the chat template) are prefilled in chunks, and sequences may be preempted
+    between chunks; the tokens alone then come from a target that prefills whole prompts."""
     target = ServiceProcess("target_service", [
         "--threads", "1", "--max-model-len", "256", "--kv-cache-tokens", "256", "--max-num-seqs", "4",
-        *caching, "--drafter", shared_drafter.address],
+        *flags, "--drafter", shared_drafter.address],
         log_path=tmp_path / "target.log", http_port=free_port()).start()
+    chunked = "--max-num-batched-tokens" in flags
+    reference = request.getfixturevalue("front_doors") if chunked else target
     try:
         target.wait_healthy().wait_metric("tandem_drafter_connected", 1)
-        if caching:
+        if "--no-prefix-caching" in flags:
             _assert_no_kv_events(target.address)
-        alone = run_requests(target.address, [_request(p, speculate=False, **mode) for mode in MODES for p in PROMPTS],
-                             concurrency=1)
+        alone = run_requests(reference.address,
+                             [_request(p, speculate=False, **mode) for mode in MODES for p in PROMPTS], concurrency=1)
         assert metric(scrape(target.metrics_url), "tandem_num_preemptions_total") == 0
         together = []
         for mode in MODES:
@@ -46,8 +56,10 @@ def test_preempted_sequences_recompute_their_kv_and_keep_the_target_alones_token
         target.kill()
     assert metric(samples, "vllm:num_preemptions_total") == metric(samples, "tandem_num_preemptions_total")
     assert sum(r.accepted_tokens for r in together) > 0, "speculation ran"
-    for mine, reference in zip(together, alone):
-        assert mine.token_ids == reference.token_ids
+    if chunked:  # more prefill steps than prompts: some ran in chunks
+        assert metric(samples, "tandem_step_duration_seconds_count", kind="prefill") > len(together)
+    for mine, expected in zip(together, alone):
+        assert mine.token_ids == expected.token_ids
 
 
 def _assert_no_kv_events(address: str) -> None:

@@ -23,6 +23,7 @@ from target_service.speculation import speculation_policy
 from target_service.speculator import Speculator
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence, SequenceStatus
 from target_service.model_runner import PrefillItem, Verified, VerifyItem
+from tandem.model.batch import SequenceChunk
 from tandem.model.kv_cache import KVCache
 from tandem.model.random_weights import SHAPES
 from tandem.v1 import drafter_pb2
@@ -31,10 +32,11 @@ PROMPT = (1, 2, 3)
 OTHER_PROMPT = (4, 5, 6, 7)
 LONG_PROMPT = tuple(range(30, 50))  # one full KV block and four positions of the next
 BLOCK_PROMPT = LONG_PROMPT[:16]  # one full block
+CHUNKED_PROMPT = tuple(range(500, 540))  # two full blocks and eight positions of a third
 # The target's greedy continuation of each prompt: T[i] is the token at position len(prompt) + i.
 T = (10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25)
 CONTINUATIONS = {PROMPT: T, OTHER_PROMPT: tuple(t + 100 for t in T), LONG_PROMPT: tuple(t + 200 for t in T),
-                 BLOCK_PROMPT: tuple(t + 300 for t in T)}
+                 BLOCK_PROMPT: tuple(t + 300 for t in T), CHUNKED_PROMPT: tuple(t + 400 for t in T)}
 N = len(PROMPT) + 1  # committed after the prefill: the prompt and T[0]
 MAX_K = 4
 VOCAB = 1000
@@ -60,11 +62,14 @@ class ScriptedRunner:
         self.prompt_of = prompt_of  # slot -> the prompt of the sequence running in it
         self.verified: list[list[VerifyItem]] = []  # the items of every verify call
         self.prefilled: list[list[PrefillItem]] = []  # the items of every prefill call
+        self.partial: list[list[SequenceChunk]] = []  # the chunks of every prefill call
         self.prompts: dict[int, tuple[int, ...]] = {}  # slot -> the prompt last prefilled into it
 
-    def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = ()) -> list[Verified]:
+    def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = (),
+                partial: list[SequenceChunk] = ()) -> list[Verified]:
         self.events.append("prefill")
         self.prefilled.append(items)
+        self.partial.append(list(partial))
         self.prompts.update((item.slot, tuple(item.prompt_ids)) for item in items)
         return [Verified([CONTINUATIONS[tuple(item.prompt_ids)][0]], 0) for item in items]
 
@@ -154,7 +159,7 @@ def make():
                                 connect=lambda peer: link)
         cache = KVCache(SHAPES["tiny"], num_slots, max_len, torch.float32, torch.device("cpu"), num_blocks=kv_blocks)
         scheduler = Scheduler(cache, target_config.max_num_seqs, target_config.max_queue, metrics,
-                              target_config.prefix_caching)
+                              target_config.prefix_caching, target_config.max_num_batched_tokens)
         runner = ScriptedRunner(events, lambda slot: tuple(
             next(s for s in scheduler.running if s.slot == slot).prompt_ids))
         engine = Engine(runner, scheduler, speculator, FakeTokenizer(), target_config, metrics)
@@ -575,6 +580,89 @@ async def test_a_sequence_short_of_blocks_is_preempted_and_resumes_with_the_same
     held = 16 if prefix_caching else 0
     assert item.length - 1 - len(item.replay) == held and len(item.replay) > 0
     assert list(item.replay) == b.token_ids[held : held + len(item.replay)]
+
+
+# ---- chunked prefill ------------------------------------------------------------------------------
+
+def chunks_run(h: Harness) -> list[list[tuple[int, int]]]:
+    """Each prefill call's chunks, as (start, end) positions."""
+    return [[(c.start, c.end) for c in call] for call in h.runner.partial]
+
+
+async def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_sequence_decodes(make):
+    """A budget of 23 tokens a step: the running sequence's step takes 5 (its token and 4 drafts), so
+    the 40-token prompt runs 18 positions a step and gets its first token on the third, with its last
+    4. The running sequence commits a token every step, and the drafter hears of the new one before
+    its first chunk runs."""
+    h = make(max_num_batched_tokens=23)
+    running = h.submit(PROMPT, max_tokens=12)
+    await h.engine.step()
+    seq = h.submit(CHUNKED_PROMPT, max_tokens=12)
+    for step in range(3):
+        before = len(running.token_ids)
+        await h.engine.step()
+        assert len(running.token_ids) == before + 1, f"step {step}: the running sequence waited"
+        if step == 0:
+            assert h.link.told(seq) == [("open", list(CHUNKED_PROMPT), MAX_K)]
+        assert seq.token_ids == (list(CHUNKED_PROMPT) if step < 2 else [*CHUNKED_PROMPT, CONTINUATIONS[CHUNKED_PROMPT][0]])
+    assert chunks_run(h)[1:] == [[(0, 18)], [(18, 36)], []]
+    assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(36, 40)]
+    assert h.count("tandem_prompt_tokens_total") == len(PROMPT) + len(CHUNKED_PROMPT)
+
+
+async def test_the_blocks_a_chunk_fills_are_found_before_its_prompt_ends(make):
+    """A budget of 16: the first request's chunks fill two blocks in two steps, which leave nothing for
+    a second request with the same prompt. On the third step the first ends its prompt with 8
+    positions, and the second, admitted with the 8 left, finds both blocks and ends its prompt too."""
+    h = make(max_num_batched_tokens=16)
+    first = h.submit(CHUNKED_PROMPT)
+    await h.engine.step()
+    second = h.submit(CHUNKED_PROMPT)
+    await h.engine.step()
+    assert second.status is SequenceStatus.WAITING, "the budget was spent"
+    await h.engine.step()
+    assert (first.cached_tokens, second.cached_tokens) == (0, 32)
+    assert chunks_run(h) == [[(0, 16)], [(16, 32)], []]
+    assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(32, 40), (32, 40)]
+    assert first.token_ids[40:] == second.token_ids[40:] == [CONTINUATIONS[CHUNKED_PROMPT][0]]
+
+
+async def test_a_requests_samples_share_the_prompt_their_first_sample_ran_in_chunks(make):
+    """The first sample runs the prompt in chunks alone; the others copy its KV once it ends."""
+    h = make(max_num_batched_tokens=16)
+    options = RequestOptions(sampling=Sampling(temperature=0.0, seed=3), max_tokens=12, stop=(),
+                             stop_token_ids=frozenset(), ignore_eos=False, skip_special_tokens=True, speculate=True,
+                             num_speculative_tokens=MAX_K, n=2)
+    samples = h.engine.new_sequences("", list(CHUNKED_PROMPT), options)
+    h.engine.submit(samples)
+    for _ in range(3):
+        await h.engine.step()
+    assert [c.slot for call in h.runner.partial for c in call] == [samples[0].slot] * 2
+    assert [(i.copy_of, i.cached) for i in h.runner.prefilled[-1]] == [(None, 32), (0, 0)]
+    assert all(s.token_ids == [*CHUNKED_PROMPT, CONTINUATIONS[CHUNKED_PROMPT][0]] for s in samples)
+
+
+async def test_a_sequence_preempted_between_chunks_resumes_its_prompt_from_its_cached_blocks(make):
+    """Four blocks: a running sequence of one block and a 40-token prompt of three. The prompt runs 16
+    positions a step beside the other's 5; after its second chunk the other needs a second block, and
+    the prompt, newest, is preempted with two full blocks computed. Those stay cached while it waits;
+    readmitted, it runs only its last 8 positions. The drafter opened it once, and its queue time
+    counts once."""
+    h = make(num_slots=4, max_len=64, kv_blocks=4, max_num_batched_tokens=21)
+    running = h.submit(PROMPT, max_tokens=16)
+    while len(running.token_ids) < 10:
+        await h.engine.step()
+    seq = h.submit(CHUNKED_PROMPT, max_tokens=4)
+    for _ in range(3):
+        await h.engine.step()
+    assert seq.status is SequenceStatus.WAITING and h.count("tandem_num_preemptions_total") == 1
+    assert chunks_run(h)[-2:] == [[(0, 16)], [(16, 32)]]
+    while seq.status is not SequenceStatus.FINISHED:
+        await h.engine.step()
+    assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(32, 40)]
+    assert seq.token_ids == [*CHUNKED_PROMPT, *CONTINUATIONS[CHUNKED_PROMPT][:4]] and seq.cached_tokens == 0
+    assert [said[0] for said in h.link.told(seq)].count("open") == 1
+    assert h.count("tandem_request_queue_time_seconds_count") == 2
 
 
 # ---- reconnect ----------------------------------------------------------------------------------------

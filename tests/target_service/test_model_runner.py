@@ -234,25 +234,56 @@ def test_samples_of_one_prompt_share_its_prefill_and_continue_as_if_each_had_run
         assert tokens[slot] == tokens[3]
 
 
+def _finish_prefill_and_decode(runner, slot: int, prompt: list[int], cached: int, steps: int):
+    """Prefill the prompt past its first `cached` positions (whose KV the slot holds), then decode
+    greedily: the committed tokens and the logprobs (top 2) of each token generated."""
+    greedy = Sampling()
+    [step] = runner.prefill([PrefillItem(slot, prompt, greedy, cached=cached, logprobs=2)])
+    committed, logprobs = prompt + step.tokens, list(step.logprobs)
+    for _ in range(steps):
+        [step] = runner.verify([VerifyItem(slot, len(committed), committed[-1], None, greedy, logprobs=2)])
+        committed += step.tokens
+        logprobs += step.logprobs
+    return committed, logprobs
+
+
+def _assert_same_logprobs(runner, got, expected) -> None:
+    if runner.model.native:  # batch-invariant: a row's KV does not depend on the rows run with it
+        assert got == expected
+    else:  # the PyTorch decoder's sums depend on the number of rows: float32 rounding, a few ulps
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in got]),
+                                   torch.tensor([lp.logprob for lp in expected]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompt_prefilled_in_chunks_beside_other_prompts_gives_the_whole_prefills_tokens(runner):
+    """Slot 0 runs a prompt in three calls (two chunks, then its end with its first token), each
+    beside another item's whole prefill; slot 1 runs it whole. The first token and the logprobs of
+    it and of the decode steps after it are the whole prefill's, and the items run beside the chunks
+    get what they get alone."""
+    prompt, greedy = list(range(3, 40)), Sampling()
+    others = [list(range(50, 50 + n)) for n in (5, 9)]
+    alone = [runner.prefill([PrefillItem(2, other, greedy, logprobs=2)])[0] for other in others]
+    beside = []
+    for start, end, other in ((0, 16, others[0]), (16, 30, others[1])):
+        [result] = runner.prefill([PrefillItem(2, other, greedy, logprobs=2)],
+                                  partial=[SequenceChunk(slot=0, start=start, token_ids=prompt[start:end])])
+        beside.append(result)
+    assert runner.prefill([], partial=[SequenceChunk(slot=3, start=0, token_ids=prompt[:8])]) == []
+    assert [r.tokens for r in beside] == [r.tokens for r in alone]
+    _assert_same_logprobs(runner, [lp for r in beside for lp in r.logprobs], [lp for r in alone for lp in r.logprobs])
+    chunked_tokens, chunked_logprobs = _finish_prefill_and_decode(runner, 0, prompt, cached=30, steps=3)
+    whole_tokens, whole_logprobs = _finish_prefill_and_decode(runner, 1, prompt, cached=0, steps=3)
+    assert chunked_tokens == whole_tokens
+    _assert_same_logprobs(runner, chunked_logprobs, whole_logprobs)
+
+
 def test_a_prefill_past_a_cached_prefix_continues_as_a_whole_prefill_does(runner):
     """The first turn's KV stays in slot 0; the second turn prefills only its new tokens there. Its
     first token and the decode steps after it are the whole prefill's (slot 1)."""
-    first_turn, greedy = list(range(3, 20)), Sampling()
-    [answer] = runner.prefill([PrefillItem(0, first_turn, greedy)])
+    first_turn = list(range(3, 20))
+    [answer] = runner.prefill([PrefillItem(0, first_turn, Sampling())])
     second_turn = first_turn + answer.tokens + [40, 41, 42]
-    outputs = []
-    for slot, cached in ((0, len(first_turn)), (1, 0)):
-        [step] = runner.prefill([PrefillItem(slot, second_turn, greedy, cached=cached, logprobs=2)])
-        committed, logprobs = second_turn + step.tokens, list(step.logprobs)
-        for _ in range(4):
-            [step] = runner.verify([VerifyItem(slot, len(committed), committed[-1], None, greedy, logprobs=2)])
-            committed += step.tokens
-            logprobs += step.logprobs
-        outputs.append((committed, logprobs))
-    (cached_tokens, cached_logprobs), (whole_tokens, whole_logprobs) = outputs
+    cached_tokens, cached_logprobs = _finish_prefill_and_decode(runner, 0, second_turn, cached=len(first_turn), steps=4)
+    whole_tokens, whole_logprobs = _finish_prefill_and_decode(runner, 1, second_turn, cached=0, steps=4)
     assert cached_tokens == whole_tokens
-    if runner.model.native:  # batch-invariant: a row's KV does not depend on the rows run with it
-        assert cached_logprobs == whole_logprobs
-    else:  # the PyTorch decoder's sums depend on the number of rows: float32 rounding, a few ulps
-        torch.testing.assert_close(torch.tensor([lp.logprob for lp in cached_logprobs]),
-                                   torch.tensor([lp.logprob for lp in whole_logprobs]), rtol=1e-5, atol=1e-5)
+    _assert_same_logprobs(runner, cached_logprobs, whole_logprobs)

@@ -1,4 +1,4 @@
-"""The target's KV cache size: --kv-cache-tokens and --block-size, and what they must hold."""
+"""The target's KV cache size and step budget: --kv-cache-tokens, --block-size and --max-num-batched-tokens."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +20,12 @@ def test_a_kv_cache_too_small_for_one_sequence_is_refused(tokens, message):
 def test_a_block_size_that_is_not_a_multiple_of_16_is_refused(size):
     with pytest.raises(ValueError, match=f"--block-size must be a multiple of 16 \\(16, 32, 64, ...\\), got {size}"):
         TargetConfig(block_size=size)
+
+
+@pytest.mark.parametrize("tokens", [0, -1])
+def test_a_step_budget_below_one_token_is_refused(tokens):
+    with pytest.raises(ValueError, match=f"--max-num-batched-tokens must be at least 1, got {tokens}"):
+        TargetConfig(max_num_batched_tokens=tokens)
 
 
 @pytest.mark.parametrize("kv_cache_tokens, block_size, blocks",

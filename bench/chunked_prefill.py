@@ -1,0 +1,111 @@
+"""What a long prompt costs the streams already running: prompts whole in one step, or in chunks.
+
+    python -m bench.chunked_prefill                  # budgets 1000000 (whole prompts), 2048, 512, 256
+
+One target per --max-num-batched-tokens value, started together and measured in turn, round by
+round, so that a drifting machine hits each alike. A round: 4 streams (short prompts, 128 tokens
+each) start, and while they run, 3 long prompts of about 1,500 tokens (8 tokens each) arrive 1 s
+apart. Greedy, no drafter, prefix caching off (every long prompt is distinct anyway). Reports the
+streams' inter-token latency (p50, p99, max: the stall a long prompt causes), their output
+tokens/s, and the long prompts' TTFT p50.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from bench.stats import percentile
+from tandem.client import GenerationResult, generate
+from tandem.launch import ServiceProcess
+from tandem.registry import DEFAULT_MODEL
+from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+FILLER = ("A long prompt is prefilled in chunks, each in a step beside the running sequences, so that "
+          "their streams keep going while it is read. ")
+STREAM_PROMPT = "Tell a long story about a lighthouse keeper and a storm."
+
+
+@dataclass(slots=True)
+class Variant:
+    budget: int
+    itl: list[float] = field(default_factory=list)  # the streams' gaps between tokens
+    stream_tokens: int = 0
+    stream_seconds: float = 0.0
+    long_ttft: list[float] = field(default_factory=list)
+
+
+def request(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        chat=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content=prompt)]),
+        sampling_params=generation_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def long_prompt(index: int, words: int) -> str:
+    filler = (FILLER * (words // len(FILLER.split()) + 1)).split()[:words]
+    return f"Document {index}. " + " ".join(filler) + " Summarize it in one line."
+
+
+async def one_round(address: str, variant: Variant, round_index: int, args: argparse.Namespace) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def long_one(i: int) -> GenerationResult:
+            await asyncio.sleep(args.stagger * (i + 1))
+            return await generate(stub, request(long_prompt(round_index * 100 + i, args.long_words), 8))
+
+        streams = [generate(stub, request(STREAM_PROMPT, args.stream_tokens)) for _ in range(args.streams)]
+        results = await asyncio.gather(*streams, *(long_one(i) for i in range(args.long_prompts)))
+    for result in results[: args.streams]:
+        variant.itl += [b - a for a, b in zip(result.token_times, result.token_times[1:])]
+        variant.stream_tokens += len(result.token_ids)
+        variant.stream_seconds += result.elapsed
+    variant.long_ttft += [r.ttft for r in results[args.streams:]]
+
+
+def report(variants: list[Variant]) -> None:
+    print("| --max-num-batched-tokens | stream ITL p50 ms | p99 ms | max ms | stream tok/s (each) | long TTFT p50 ms |")
+    print("|---|---|---|---|---|---|")
+    for v in variants:
+        p50, p99 = percentile(v.itl, 50), percentile(v.itl, 99)
+        print(f"| {v.budget} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} | {max(v.itl) * 1e3:.1f} | "
+              f"{v.stream_tokens / v.stream_seconds:.2f} | {percentile(v.long_ttft, 50) * 1e3:.0f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[1_000_000, 2048, 512, 256])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--stream-tokens", type=int, default=128)
+    parser.add_argument("--long-prompts", type=int, default=3)
+    parser.add_argument("--long-words", type=int, default=1200, help="about 1.25 tokens a word")
+    parser.add_argument("--stagger", type=float, default=1.0, help="seconds between the long prompts")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    args = parser.parse_args(argv)
+    logs = Path(tempfile.mkdtemp(prefix="tandem-chunked-prefill-"))
+    targets = [ServiceProcess("target_service", ["--model", args.model, "--threads", "1", "--no-prefix-caching",
+                                                 "--max-num-batched-tokens", str(budget)],
+                              log_path=logs / f"target-{budget}.log").start() for budget in args.budgets]
+    variants = [Variant(budget) for budget in args.budgets]
+    try:
+        for target in targets:
+            target.wait_healthy(300)
+        print(f"{args.model}, 1 thread, no drafter, {args.streams} streams of {args.stream_tokens} tokens, "
+              f"{args.long_prompts} prompts of {args.long_words} words {args.stagger:g} s apart, "
+              f"{args.rounds} rounds (logs: {logs})")
+        for r in range(args.rounds):
+            for target, variant in zip(targets, variants):
+                asyncio.run(one_round(target.address, variant, r, args))
+        report(variants)
+    finally:
+        for target in targets:
+            target.terminate(10)
+
+
+if __name__ == "__main__":
+    main()
