@@ -7,6 +7,7 @@ from target_service.drafter_addresses import DrafterAddresses
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, PAGE_SIZE
 from tandem.tls import ClientTls, ServerTls, read_token
 
+MIN_PREFILL_TOKENS = 16  # prompt tokens a step runs at the least, whatever the running sequences take
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # vLLM's first chunked-prefill default; on CPUs a step of 2048 prompt tokens takes seconds
 
 
@@ -55,8 +56,7 @@ class TargetConfig:
     def __post_init__(self) -> None:
         positive = {"max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
                     "threads": self.threads, "max_message_bytes": self.max_message_bytes,
-                    "grammar_cache_size": self.grammar_cache_size,
-                    "max_num_batched_tokens": self.max_num_batched_tokens}
+                    "grammar_cache_size": self.grammar_cache_size}
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -68,6 +68,9 @@ class TargetConfig:
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")
+        if self.max_num_batched_tokens < MIN_PREFILL_TOKENS:
+            raise ValueError(f"--max-num-batched-tokens must be at least {MIN_PREFILL_TOKENS}, "
+                             f"got {self.max_num_batched_tokens}")
         if self.block_size < PAGE_SIZE or self.block_size % PAGE_SIZE:
             raise ValueError(f"--block-size must be a multiple of {PAGE_SIZE} (16, 32, 64, ...), got {self.block_size}")
         if 0 < self.kv_cache_tokens < self.max_model_len:

@@ -150,8 +150,8 @@ class Engine:
         batch = self.scheduler.schedule(full_prefills=bool(self.speculator.feature_layers))
         self.speculator.admit(batch.admitted)  # before our prefill, so that the drafter's runs beside it
         if batch.prefills or batch.chunks:
-            results = await self._prefill(batch.prefills, batch.chunks)
-            await self._publish(batch.prefills, results, self._commit(batch.prefills, results), [0] * len(results))
+            results, firsts = await self._prefill(batch.prefills, batch.chunks)
+            await self._publish(batch.prefills, results, self._commit(batch.prefills, results), firsts)
         decodes = [seq for seq in batch.decodes if seq.finish is None]
         if decodes:
             plan = await self.speculator.schedule(decodes, admission=self.scheduler.prompts_pending)
@@ -168,10 +168,10 @@ class Engine:
         """Publish what the prefix cache stored and evicted since the last call, as one batch."""
         self.kv_events.publish(self.scheduler.prefix_cache.events.take())
 
-    async def _prefill(self, prefills: list[Sequence], chunks: list[PromptChunk]) -> list[Verified]:
-        """The prefills' first tokens, and the chunks' KV, in one forward. A request's first sample
-        runs the prompt from what its slot holds (prefix caching, earlier chunks); its other samples
-        (right after it) share its KV."""
+    async def _prefill(self, prefills: list[Sequence], chunks: list[PromptChunk]) -> tuple[list[Verified], list[int]]:
+        """The prefills' first tokens, and the chunks' KV, in one forward; and where each prefill's
+        run (its feature rows) starts. A request's first sample runs the prompt from what its slot
+        holds (prefix caching, earlier chunks); its other samples (right after it) share its KV."""
         first: dict[int, int] = {}  # group -> the batch index of its first sample
         items = []
         for b, s in enumerate(prefills):
@@ -191,7 +191,7 @@ class Engine:
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in prompts))
         self.metrics.prefix_cache_queries.inc(sum(len(s.prompt_ids) for s in prompts))
         self.metrics.prefix_cache_hits.inc(sum(s.cached_tokens for s in prompts))
-        return results
+        return results, [items[i.copy_of].cached if i.copy_of is not None else i.cached for i in items]
 
     async def _verify(self, plan: DraftPlan) -> tuple[list[Verified], float]:
         """The verify (or, without drafts, decode) step's results, and how long it took."""

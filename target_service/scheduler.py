@@ -30,16 +30,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from target_service.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from target_service.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from tandem.prefix_cache import PrefixCache
 from target_service.sequence import FinishReason, Sequence, SequenceStatus
 from tandem.model.kv_cache import KVCache
-
-
-# Prompt tokens a step prefills at the least, whatever the running sequences take: prompts always advance.
-MIN_PREFILL_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,14 +173,18 @@ class Scheduler:
         admitted = []
         while budget.left > 0 and self.can_admit():
             group = self._next_group()
+            head = group[0]
+            if (not head.num_generated and _runs_whole(head, full_prefills) and (prefills or chunks)
+                    and len(head.prompt_ids) > budget.left):
+                break  # admitted when it can run, as a later step's first prompt: the queue keeps its order
             for seq in group:
                 if seq.num_generated:  # preempted: its committed tokens, of which its new slot may hold some
                     seq.slot, seq.replay_from = self.prefix_cache.allocate(seq.token_ids)
                     decodes.append(seq)
                     budget.take(self._step_tokens(seq))
                 else:
-                    reuse = not full_prefills and seq.options.prompt_logprobs is None  # else every position runs
-                    seq.slot, seq.prefilled = self.prefix_cache.allocate(seq.prompt_ids, reuse)
+                    seq.slot, seq.prefilled = self.prefix_cache.allocate(seq.prompt_ids,
+                                                                         not _runs_whole(seq, full_prefills))
                     if seq.admitted_at is None:  # else preempted before its first token: the drafter has it
                         seq.cached_tokens = seq.prefilled
                         seq.admitted_at = time.perf_counter()
@@ -195,7 +195,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
             fresh = [s for s in group if not s.num_generated]
-            if fresh:
+            if fresh and not self._prompt_running(fresh):
                 self._take_prompt(fresh, budget, prefills, chunks, full_prefills)
         self.metrics.waiting.set(len(self.waiting))
         self.metrics.running.set(len(self.running))
@@ -207,13 +207,19 @@ class Scheduler:
         else a chunk of it; a prompt that cannot be chunked runs whole, but only as the step's first."""
         leader = samples[0]
         remaining = len(leader.prompt_ids) - leader.prefilled
-        whole = full_prefills or leader.options.prompt_logprobs is not None
+        whole = _runs_whole(leader, full_prefills)
         if remaining <= budget.left or (whole and not prefills and not chunks):
             prefills.extend(samples)
             budget.take(remaining)
         elif not whole and budget.left > 0:
             chunks.append(PromptChunk(leader, leader.prefilled + budget.left))
             budget.take(budget.left)
+
+    def _prompt_running(self, samples: list[Sequence]) -> bool:
+        """Another sample of their request still runs its prompt (they were preempted between its
+        chunks): they join it next step and share its prefill."""
+        return any(s.group == samples[0].group and not s.num_generated and s.finish is None and s not in samples
+                   for s in self.running)
 
     def _next_group(self) -> list[Sequence]:
         """The first waiting request's waiting samples: they stand together at the head of the queue."""
@@ -266,7 +272,7 @@ class Scheduler:
         """The tokens a decode or verify step runs for the sequence at most: its replay, its last
         token and its drafts."""
         start = len(seq.token_ids) - 1 if seq.replay_from is None else seq.replay_from
-        return len(seq.token_ids) - start + seq.options.num_speculative_tokens
+        return len(seq.token_ids) - start + (seq.options.num_speculative_tokens if seq.options.speculate else 0)
 
     def _blocks_needed(self, seq: Sequence) -> int:
         return self.kv_cache.blocks_for(self._positions_needed(seq))
@@ -278,6 +284,12 @@ class Scheduler:
     def _forget(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.sequences.pop(seq.seq_id, None)
+
+
+def _runs_whole(seq: Sequence, full_prefills: bool) -> bool:
+    """Every position of the prompt is read (its logprobs, or features for the drafter): it takes no
+    cached prefix, and runs in one step."""
+    return full_prefills or seq.options.prompt_logprobs is not None
 
 
 class _Budget:

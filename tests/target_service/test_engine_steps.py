@@ -599,11 +599,12 @@ async def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_sequence_d
     await h.engine.step()
     seq = h.submit(CHUNKED_PROMPT, max_tokens=12)
     for step in range(3):
-        before = len(running.token_ids)
+        before, events = len(running.token_ids), len(h.events)
         await h.engine.step()
         assert len(running.token_ids) == before + 1, f"step {step}: the running sequence waited"
         if step == 0:
             assert h.link.told(seq) == [("open", list(CHUNKED_PROMPT), MAX_K)]
+            assert h.events[events:events + 2] == ["update", "prefill"], "the Open goes out before the first chunk"
         assert seq.token_ids == (list(CHUNKED_PROMPT) if step < 2 else [*CHUNKED_PROMPT, CONTINUATIONS[CHUNKED_PROMPT][0]])
     assert chunks_run(h)[1:] == [[(0, 18)], [(18, 36)], []]
     assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(36, 40)]
@@ -625,6 +626,28 @@ async def test_the_blocks_a_chunk_fills_are_found_before_its_prompt_ends(make):
     assert chunks_run(h) == [[(0, 16)], [(16, 32)], []]
     assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(32, 40), (32, 40)]
     assert first.token_ids[40:] == second.token_ids[40:] == [CONTINUATIONS[CHUNKED_PROMPT][0]]
+
+
+async def test_a_prompt_that_runs_whole_waits_in_the_queue_until_it_can_be_the_steps_first(make):
+    """prompt_logprobs read every prompt position, so that prompt runs whole. Behind a prompt that
+    is being chunked it is not admitted (no slot held, no Open, no queue time), and neither is the
+    request behind it; once the chunked prompt ends, it runs whole, past the budget, as the step's
+    first prompt, and the next request goes in the step after."""
+    h = make(max_num_batched_tokens=16)
+    chunked = h.submit(CHUNKED_PROMPT)
+    await h.engine.step()
+    whole, after = h.submit(LONG_PROMPT, prompt_logprobs=1), h.submit(PROMPT)
+    await h.engine.step()
+    assert (whole.status, after.status) == (SequenceStatus.WAITING, SequenceStatus.WAITING)
+    assert h.link.told(whole) == [] and h.count("tandem_request_queue_time_seconds_count") == 1
+    await h.engine.step()  # the chunked prompt ends with 8 positions; LONG_PROMPT needs 20
+    assert len(chunked.token_ids) == len(CHUNKED_PROMPT) + 1 and whole.status is SequenceStatus.WAITING
+    await h.engine.step()
+    assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(0, 20)]
+    assert whole.token_ids[20:] == [CONTINUATIONS[LONG_PROMPT][0]]
+    assert after.status is SequenceStatus.WAITING, "the whole prompt took more than the budget left"
+    await h.engine.step()
+    assert after.token_ids == [*PROMPT, T[0]]
 
 
 async def test_a_requests_samples_share_the_prompt_their_first_sample_ran_in_chunks(make):

@@ -268,13 +268,18 @@ def test_a_prompt_prefilled_in_chunks_beside_other_prompts_gives_the_whole_prefi
         [result] = runner.prefill([PrefillItem(2, other, greedy, logprobs=2)],
                                   partial=[SequenceChunk(slot=0, start=start, token_ids=prompt[start:end])])
         beside.append(result)
-    assert runner.prefill([], partial=[SequenceChunk(slot=3, start=0, token_ids=prompt[:8])]) == []
     assert [r.tokens for r in beside] == [r.tokens for r in alone]
     _assert_same_logprobs(runner, [lp for r in beside for lp in r.logprobs], [lp for r in alone for lp in r.logprobs])
     chunked_tokens, chunked_logprobs = _finish_prefill_and_decode(runner, 0, prompt, cached=30, steps=3)
     whole_tokens, whole_logprobs = _finish_prefill_and_decode(runner, 1, prompt, cached=0, steps=3)
     assert chunked_tokens == whole_tokens
     _assert_same_logprobs(runner, chunked_logprobs, whole_logprobs)
+    # A call of chunks alone writes their KV; one beside a prompt's logprobs leaves those as they are alone.
+    assert runner.prefill([], partial=[SequenceChunk(slot=3, start=0, token_ids=prompt[:8])]) == []
+    assert _finish_prefill_and_decode(runner, 3, prompt, cached=8, steps=3)[0] == whole_tokens
+    scored = [runner.prefill([PrefillItem(2, others[1], greedy, prompt_logprobs=2)], partial=partial)[0].prompt_logprobs
+              for partial in ([], [SequenceChunk(slot=3, start=0, token_ids=prompt[:16])])]
+    _assert_same_logprobs(runner, scored[1], scored[0])
 
 
 def test_a_prefill_past_a_cached_prefix_continues_as_a_whole_prefill_does(runner):

@@ -22,9 +22,10 @@ def test_a_block_size_that_is_not_a_multiple_of_16_is_refused(size):
         TargetConfig(block_size=size)
 
 
-@pytest.mark.parametrize("tokens", [0, -1])
-def test_a_step_budget_below_one_token_is_refused(tokens):
-    with pytest.raises(ValueError, match=f"--max-num-batched-tokens must be at least 1, got {tokens}"):
+@pytest.mark.parametrize("tokens", [15, 0, -1])
+def test_a_step_budget_below_the_prompts_least_share_is_refused(tokens):
+    """A step always gives prompts 16 tokens: a smaller budget could not be kept."""
+    with pytest.raises(ValueError, match=f"--max-num-batched-tokens must be at least 16, got {tokens}"):
         TargetConfig(max_num_batched_tokens=tokens)
 
 
