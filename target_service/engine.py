@@ -185,7 +185,10 @@ class Engine:
         started = time.perf_counter()
         results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers, partial)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
-        for c in chunks:
+        results, chunk_results = results[:len(items)], results[len(items):]
+        for c, result in zip(chunks, chunk_results, strict=True):
+            if result.features is not None:
+                self.speculator.keep_features(c.seq, c.seq.prefilled, result.features)
             c.seq.prefilled = c.end
         prompts = [s for s, i in zip(prefills, items) if i.copy_of is None]
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in prompts))

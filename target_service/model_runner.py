@@ -115,13 +115,13 @@ class ModelRunner:
                 partial: list[SequenceChunk] = ()) -> list[Verified]:
         """Each item's first token; capture: also the features of these target layers (Verified.features).
 
-        partial: earlier chunks of longer prompts, run in the same forward for their KV alone."""
+        partial: earlier chunks of longer prompts, run in the same forward for their KV; after the
+        items' results comes one per chunk, with no token (and its features, when captured)."""
         runs = [b for b, i in enumerate(items) if i.copy_of is None]  # the items whose prompts run
         chunks = [SequenceChunk(slot=items[b].slot, start=items[b].cached, token_ids=items[b].prompt_ids[items[b].cached:],
                                 num_logits=items[b].num_logits) for b in runs]
         if not chunks:
-            self.model.run(list(partial))
-            return []
+            return [Verified([], 0, f) for f in self._forward(list(partial), capture)[1]]
         num_rows = sum(c.num_logits for c in chunks)  # the partial chunks' rows come after these
         masks = self._start_masks([(i.grammar, ()) for i in items])
         if capture or all(items[b].prompt_logprobs is None for b in runs):
@@ -129,8 +129,8 @@ class ModelRunner:
             to_logits = None
         else:  # prompts' logprobs: hidden states [sum(num_logits), hidden], turned into logits in chunks
             rows = self.model.final_hidden(self.model.build_batch(chunks + list(partial)))
-            features, to_logits = [None] * len(chunks), self.model.logits
-        rows, features = rows[:num_rows], features[:len(chunks)]
+            features, to_logits = [None] * (len(chunks) + len(partial)), self.model.logits
+        rows, features, partial_features = rows[:num_rows], features[:len(chunks)], features[len(chunks):]
         logits, prompt_logprobs = _prompt_logprobs(rows, [items[b] for b in runs], to_logits)  # [runs, vocab]
         if len(runs) < len(items):  # samples of one prompt: its KV shared, its row repeated
             run_of = {b: r for r, b in enumerate(runs)}
@@ -156,7 +156,8 @@ class ModelRunner:
             for b, token in zip(sampled, sample(probs, self._seeds(samplings), positions).tolist()):
                 tokens[b] = token
         return _with_logprobs([Verified([token], 0, rows, prompt_logprobs=prompt)
-                               for token, rows, prompt in zip(tokens, features, prompt_logprobs)], raw)
+                               for token, rows, prompt in zip(tokens, features, prompt_logprobs)], raw) + [
+            Verified([], 0, f) for f in partial_features]
 
     @torch.inference_mode()
     def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:

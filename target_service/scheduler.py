@@ -18,8 +18,8 @@ frees it.
 Each step runs at most `max_num_batched_tokens` tokens (vLLM's token budget, chunked prefill): the
 running sequences' tokens and drafts first, then prompts in the order they came, a long prompt in
 chunks over several steps. A chunk writes KV and samples nothing; the prompt's last chunk gives its
-first token. Prompts whose every position's logits or features are read (prompt_logprobs, a
-drafter that reads target features) run whole, once nothing else prefills in that step.
+first token. A prompt whose every position's logits are read (prompt_logprobs) runs whole, as
+the step's first prompt.
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ class Scheduler:
         prompts already admitted go on, and new ones are admitted while tokens are left.
 
         full_prefills: the prefills run every prompt position (the drafter reads their features), so
-        new sequences take no cached prefix, and their prompts run whole."""
+        new sequences take no cached prefix."""
         live = [s for s in self.running if s.finish is None]
         for seq in live:
             self._cache_blocks(seq)
@@ -135,7 +135,7 @@ class Scheduler:
             if not seq.num_generated:
                 prompts.setdefault(seq.group, []).append(seq)
         for samples in prompts.values():
-            self._take_prompt(samples, budget, prefills, chunks, full_prefills)
+            self._take_prompt(samples, budget, prefills, chunks)
         admitted = self._admit(full_prefills, budget, prefills, chunks, decodes)
         return ScheduledBatch(prefills=prefills, chunks=chunks, decodes=decodes, admitted=admitted)
 
@@ -174,7 +174,7 @@ class Scheduler:
         while budget.left > 0 and self.can_admit():
             group = self._next_group()
             head = group[0]
-            if (not head.num_generated and _runs_whole(head, full_prefills) and (prefills or chunks)
+            if (not head.num_generated and _runs_whole(head) and (prefills or chunks)
                     and len(head.prompt_ids) > budget.left):
                 break  # admitted when it can run, as a later step's first prompt: the queue keeps its order
             for seq in group:
@@ -183,8 +183,8 @@ class Scheduler:
                     decodes.append(seq)
                     budget.take(self._step_tokens(seq))
                 else:
-                    seq.slot, seq.prefilled = self.prefix_cache.allocate(seq.prompt_ids,
-                                                                         not _runs_whole(seq, full_prefills))
+                    reuse = not full_prefills and not _runs_whole(seq)  # else every position runs
+                    seq.slot, seq.prefilled = self.prefix_cache.allocate(seq.prompt_ids, reuse)
                     if seq.admitted_at is None:  # else preempted before its first token: the drafter has it
                         seq.cached_tokens = seq.prefilled
                         seq.admitted_at = time.perf_counter()
@@ -196,18 +196,18 @@ class Scheduler:
                 self.running.append(seq)
             fresh = [s for s in group if not s.num_generated]
             if fresh and not self._prompt_running(fresh):
-                self._take_prompt(fresh, budget, prefills, chunks, full_prefills)
+                self._take_prompt(fresh, budget, prefills, chunks)
         self.metrics.waiting.set(len(self.waiting))
         self.metrics.running.set(len(self.running))
         return admitted
 
     def _take_prompt(self, samples: list[Sequence], budget: "_Budget", prefills: list[Sequence],
-                     chunks: list[PromptChunk], full_prefills: bool) -> None:
+                     chunks: list[PromptChunk]) -> None:
         """The first sample runs the prompt to its end if the budget allows (the others then share it),
         else a chunk of it; a prompt that cannot be chunked runs whole, but only as the step's first."""
         leader = samples[0]
         remaining = len(leader.prompt_ids) - leader.prefilled
-        whole = _runs_whole(leader, full_prefills)
+        whole = _runs_whole(leader)
         if remaining <= budget.left or (whole and not prefills and not chunks):
             prefills.extend(samples)
             budget.take(remaining)
@@ -286,10 +286,10 @@ class Scheduler:
         self.sequences.pop(seq.seq_id, None)
 
 
-def _runs_whole(seq: Sequence, full_prefills: bool) -> bool:
-    """Every position of the prompt is read (its logprobs, or features for the drafter): it takes no
-    cached prefix, and runs in one step."""
-    return full_prefills or seq.options.prompt_logprobs is not None
+def _runs_whole(seq: Sequence) -> bool:
+    """Every position of the prompt has its logits read (prompt_logprobs): it takes no cached prefix,
+    and runs in one step."""
+    return seq.options.prompt_logprobs is not None
 
 
 class _Budget:

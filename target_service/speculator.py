@@ -7,6 +7,7 @@ what it answered, the proposals it holds) and the link to the drafter. The engin
   schedule(seqs, ...)       the step's DraftPlan: matched, budgeted and waited for, decided once
   account(plan, ...)        the verifier's verdicts and the step's cost, for usage, metrics and policy
   publish(seqs, ...)        tell the drafter the committed tokens (and, in sync mode, wait for drafts)
+  keep_features(seq, ...)   hold a prompt chunk's target features for the Extend after its first token
   release(seq)              close a finished sequence on the drafter
 
 The link calls on_proposals and reopen_all (the DrafterPeer protocol). Nothing else calls the
@@ -143,8 +144,8 @@ class Speculator:
         The synchronous baseline then waits for the drafts of the new prefixes.
         """
         for seq, result, first in zip(seqs, results, firsts, strict=True):
-            if seq.finish is None and result.features is not None:
-                self._keep_features(seq, first, result.features)
+            if result.features is not None:
+                self.keep_features(seq, first, result.features)
         self._extend(seqs)
         if self.policy.drafts_before_publish:
             live = [self._states[s.seq_id] for s in seqs if s.finish is None]
@@ -280,9 +281,11 @@ class Speculator:
         self.metrics.drafts_requested.set(sum(wanted) / len(wanted) if wanted else 0)
         return {state.seq.seq_id: k for state, k in zip(running, wanted)}
 
-    def _keep_features(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
-        """A step's features of seq's positions first.. (rows [R, layers, hidden]); the committed ones
-        go with its next Extend."""
+    def keep_features(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
+        """A step's features of seq's positions first.. (rows [R, layers, hidden]): a verify's, a
+        prompt's or a chunk of it; the committed ones go with its next Extend."""
+        if seq.finish is not None:
+            return
         state = self._states.get(seq.seq_id)
         end = len(seq.token_ids) - 1  # the last committed token has no feature yet
         if state is not None and state.told_len and end > first:

@@ -122,7 +122,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             active_requests=len(scheduler.running) + len(scheduler.waiting), is_paused=not engine.accepting,
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=1,
             max_num_seqs=self.serving.config.max_num_seqs,
-            model_dtype=self.serving.dtype)
+            model_dtype=self.serving.dtype,
+            kv_cache_dtype="auto",  # vLLM's word for a KV cache in the model's dtype, as ours is
+            block_size=scheduler.kv_cache.block_size)
 
     async def GetLoads(self, request, context) -> vllm_engine_pb2.GetLoadsResponse:
         scheduler, config = self.serving.engine.scheduler, self.serving.config

@@ -29,9 +29,11 @@ def eagle_head(tmp_path_factory) -> tuple[list[str], FeatureLayout]:
 
 @pytest.fixture(scope="module")
 def eagle_pair(tmp_path_factory, eagle_head):
+    """A step runs at most 16 prompt tokens here, so the prompts (about 45 tokens with the chat
+    template) are prefilled in chunks, and their features go to the head chunk by chunk."""
     draft_args, layout = eagle_head
     draft, target = start_pair(tmp_path_factory, "eagle3", [*draft_args, *TWO_THREADS],
-                               ["--sync-speculation", *TWO_THREADS])
+                               ["--sync-speculation", "--max-num-batched-tokens", "16", *TWO_THREADS])
     yield draft, target, layout
     target.kill()
     draft.kill()

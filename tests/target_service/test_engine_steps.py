@@ -71,7 +71,8 @@ class ScriptedRunner:
         self.prefilled.append(items)
         self.partial.append(list(partial))
         self.prompts.update((item.slot, tuple(item.prompt_ids)) for item in items)
-        return [Verified([CONTINUATIONS[tuple(item.prompt_ids)][0]], 0) for item in items]
+        return [Verified([CONTINUATIONS[tuple(item.prompt_ids)][0]], 0) for item in items] + [
+            Verified([], 0) for _ in partial]
 
     def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:
         self.verified.append(items)

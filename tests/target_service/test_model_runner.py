@@ -10,7 +10,7 @@ from kernels.rejection import rejection_sample_reference
 from kernels.sampling import Sampling
 from target_service.drafts import UsableDrafts
 from kernels.logits_processors import LogitsContext
-from target_service.model_runner import PrefillItem, ModelRunner, VerifyItem, _process_logits, verify_greedy
+from target_service.model_runner import PrefillItem, ModelRunner, Verified, VerifyItem, _process_logits, verify_greedy
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import build_model
@@ -265,8 +265,9 @@ def test_a_prompt_prefilled_in_chunks_beside_other_prompts_gives_the_whole_prefi
     alone = [runner.prefill([PrefillItem(2, other, greedy, logprobs=2)])[0] for other in others]
     beside = []
     for start, end, other in ((0, 16, others[0]), (16, 30, others[1])):
-        [result] = runner.prefill([PrefillItem(2, other, greedy, logprobs=2)],
-                                  partial=[SequenceChunk(slot=0, start=start, token_ids=prompt[start:end])])
+        result, chunk = runner.prefill([PrefillItem(2, other, greedy, logprobs=2)],
+                                       partial=[SequenceChunk(slot=0, start=start, token_ids=prompt[start:end])])
+        assert (chunk.tokens, chunk.features) == ([], None), "a chunk samples nothing"
         beside.append(result)
     assert [r.tokens for r in beside] == [r.tokens for r in alone]
     _assert_same_logprobs(runner, [lp for r in beside for lp in r.logprobs], [lp for r in alone for lp in r.logprobs])
@@ -275,11 +276,28 @@ def test_a_prompt_prefilled_in_chunks_beside_other_prompts_gives_the_whole_prefi
     assert chunked_tokens == whole_tokens
     _assert_same_logprobs(runner, chunked_logprobs, whole_logprobs)
     # A call of chunks alone writes their KV; one beside a prompt's logprobs leaves those as they are alone.
-    assert runner.prefill([], partial=[SequenceChunk(slot=3, start=0, token_ids=prompt[:8])]) == []
+    assert runner.prefill([], partial=[SequenceChunk(slot=3, start=0, token_ids=prompt[:8])]) == [Verified([], 0)]
     assert _finish_prefill_and_decode(runner, 3, prompt, cached=8, steps=3)[0] == whole_tokens
     scored = [runner.prefill([PrefillItem(2, others[1], greedy, prompt_logprobs=2)], partial=partial)[0].prompt_logprobs
               for partial in ([], [SequenceChunk(slot=3, start=0, token_ids=prompt[:16])])]
     _assert_same_logprobs(runner, scored[1], scored[0])
+
+
+def test_a_prompts_features_come_in_its_chunks_as_they_come_whole(runner):
+    """A drafter that reads target features gets each chunk's rows: together with the last chunk's,
+    they are the whole prefill's rows, and the first token is the same."""
+    prompt, greedy, layers = list(range(3, 40)), Sampling(), (0, 1)
+    [whole] = runner.prefill([PrefillItem(1, prompt, greedy)], layers)
+    [first] = runner.prefill([], layers, partial=[SequenceChunk(slot=0, start=0, token_ids=prompt[:16])])
+    other, second = runner.prefill([PrefillItem(2, list(range(50, 59)), greedy)], layers,
+                                   partial=[SequenceChunk(slot=0, start=16, token_ids=prompt[16:30])])
+    [last] = runner.prefill([PrefillItem(0, prompt, greedy, cached=30)], layers)
+    assert last.tokens == whole.tokens and other.features.shape[0] == 9
+    chunked = torch.cat([first.features, second.features, last.features])  # [37, layers, hidden]
+    if runner.model.native:
+        assert torch.equal(chunked, whole.features)
+    else:
+        torch.testing.assert_close(chunked, whole.features, rtol=1e-2, atol=1e-2)  # bf16 rows of float32 sums
 
 
 def test_a_prefill_past_a_cached_prefix_continues_as_a_whole_prefill_does(runner):
