@@ -1,13 +1,15 @@
 """What a long prompt costs the streams already running: prompts whole in one step, or in chunks.
 
     python -m bench.chunked_prefill                  # budgets 1000000 (whole prompts), 2048, 512, 256
+    python -m bench.chunked_prefill --drafter model  # each target with its own model drafter
 
 One target per --max-num-batched-tokens value, started together and measured in turn, round by
 round, so that a drifting machine hits each alike. A round: 4 streams (short prompts, 128 tokens
 each) start, and while they run, 3 long prompts of about 1,500 tokens (8 tokens each) arrive 1 s
-apart. Greedy, no drafter, prefix caching off (every long prompt is distinct anyway). Reports the
-streams' inter-token latency (p50, p99, max: the stall a long prompt causes), their output
-tokens/s, and the long prompts' TTFT p50.
+apart. Greedy, prefix caching off (every long prompt is distinct anyway); no drafter, or with
+--drafter one draft service per target (one thread each). Reports the streams' inter-token
+latency (p50, p99, max: the stall a long prompt causes; a message's tokens count as one gap),
+their output tokens/s and mean acceptance length, and the long prompts' TTFT p50.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import grpc
 from bench.stats import percentile
 from tandem.client import GenerationResult, generate
 from tandem.launch import ServiceProcess
-from tandem.registry import DEFAULT_MODEL
+from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 FILLER = ("A long prompt is prefilled in chunks, each in a step beside the running sequences, so that "
@@ -37,6 +39,12 @@ class Variant:
     stream_tokens: int = 0
     stream_seconds: float = 0.0
     long_ttft: list[float] = field(default_factory=list)
+    accepted: int = 0  # the streams' accepted drafts, and their steps that verified drafts
+    draft_steps: int = 0
+
+    @property
+    def mal(self) -> float | None:
+        return 1 + self.accepted / self.draft_steps if self.draft_steps else None
 
 
 def request(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
@@ -61,19 +69,24 @@ async def one_round(address: str, variant: Variant, round_index: int, args: argp
         streams = [generate(stub, request(STREAM_PROMPT, args.stream_tokens)) for _ in range(args.streams)]
         results = await asyncio.gather(*streams, *(long_one(i) for i in range(args.long_prompts)))
     for result in results[: args.streams]:
-        variant.itl += [b - a for a, b in zip(result.token_times, result.token_times[1:])]
+        times = sorted(set(result.token_times))  # the tokens of one message arrive together
+        variant.itl += [b - a for a, b in zip(times, times[1:])]
+        variant.accepted += result.accepted_tokens
+        variant.draft_steps += result.draft_steps
         variant.stream_tokens += len(result.token_ids)
         variant.stream_seconds += result.elapsed
     variant.long_ttft += [r.ttft for r in results[args.streams:]]
 
 
 def report(variants: list[Variant]) -> None:
-    print("| --max-num-batched-tokens | stream ITL p50 ms | p99 ms | max ms | stream tok/s (each) | long TTFT p50 ms |")
-    print("|---|---|---|---|---|---|")
+    print("| --max-num-batched-tokens | stream ITL p50 ms | p99 ms | max ms | stream tok/s (each) | stream MAL "
+          "| long TTFT p50 ms |")
+    print("|---|---|---|---|---|---|---|")
     for v in variants:
         p50, p99 = percentile(v.itl, 50), percentile(v.itl, 99)
+        mal = "-" if v.mal is None else f"{v.mal:.2f}"
         print(f"| {v.budget} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} | {max(v.itl) * 1e3:.1f} | "
-              f"{v.stream_tokens / v.stream_seconds:.2f} | {percentile(v.long_ttft, 50) * 1e3:.0f} |")
+              f"{v.stream_tokens / v.stream_seconds:.2f} | {mal} | {percentile(v.long_ttft, 50) * 1e3:.0f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,16 +99,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-words", type=int, default=1200, help="about 1.25 tokens a word")
     parser.add_argument("--stagger", type=float, default=1.0, help="seconds between the long prompts")
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--drafter", choices=["model", "ngram", "suffix", "suffix+model"],
+                        help="a draft service of this kind for each target; default: none")
+    parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
     args = parser.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="tandem-chunked-prefill-"))
+    drafts = [ServiceProcess("draft_service", ["--drafter", args.drafter, "--threads", "1", "--no-prefix-caching",
+                                               "--model", args.draft_model if "model" in args.drafter else args.model],
+                             log_path=logs / f"draft-{budget}.log").start()
+              for budget in args.budgets] if args.drafter else []
     targets = [ServiceProcess("target_service", ["--model", args.model, "--threads", "1", "--no-prefix-caching",
-                                                 "--max-num-batched-tokens", str(budget)],
-                              log_path=logs / f"target-{budget}.log").start() for budget in args.budgets]
+                                                 "--max-num-batched-tokens", str(budget),
+                                                 *(["--drafter", drafts[i].address] if drafts else [])],
+                              log_path=logs / f"target-{budget}.log").start() for i, budget in enumerate(args.budgets)]
     variants = [Variant(budget) for budget in args.budgets]
     try:
-        for target in targets:
-            target.wait_healthy(300)
-        print(f"{args.model}, 1 thread, no drafter, {args.streams} streams of {args.stream_tokens} tokens, "
+        for service in [*drafts, *targets]:
+            service.wait_healthy(300)
+        for target in targets if drafts else []:
+            target.wait_metric("tandem_drafter_connected", 1.0)
+        print(f"{args.model}, 1 thread, drafter {args.drafter or 'none'}, {args.streams} streams of {args.stream_tokens} tokens, "
               f"{args.long_prompts} prompts of {args.long_words} words {args.stagger:g} s apart, "
               f"{args.rounds} rounds (logs: {logs})")
         for r in range(args.rounds):
@@ -103,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
                 asyncio.run(one_round(target.address, variant, r, args))
         report(variants)
     finally:
-        for target in targets:
-            target.terminate(10)
+        for service in [*targets, *drafts]:
+            service.terminate(10)
 
 
 if __name__ == "__main__":
