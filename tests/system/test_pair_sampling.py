@@ -97,7 +97,9 @@ def test_first_tokens_follow_the_same_distribution_with_and_without_speculation(
         assert drafts >= SAMPLES // 2, "too few drafts were verified for the test to mean anything"
     else:
         assert hits == 0
-        assert drafts >= SAMPLES, "too few drafts were verified for the test to mean anything"
+        # Each request verifies one draft, unless a drafter round outlasted the synchronous target's
+        # 1 s bound for one of its steps (a loaded box): most must be verified, not every one.
+        assert drafts >= SAMPLES * 9 // 10, "too few drafts were verified for the test to mean anything"
     _assert_same_distribution(plain, speculative, positions)
 
 
