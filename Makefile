@@ -25,7 +25,7 @@ install: $(STAMP)
 # CI machines, Python caches no bytecode, and every service process would compile the project
 # again (0.3 s a start): compile it once. Python ignores a cached file whose source changed.
 compile: install
-	$(PY) -m compileall -q tandem target_service draft_service kernels training bench
+	$(PY) -m compileall -q tandem target_service draft_service tandem_kernels training bench
 
 demo: compile
 	$(PY) -m tandem.demo

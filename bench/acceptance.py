@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kernels import decode, encode, processed_probs, sample, wire_bytes_per_token
+from tandem_kernels import decode, encode, processed_probs, sample, wire_bytes_per_token
 from tandem.config import ModelConfig
 from tandem.loaders import load_checkpoint
 from tandem.model.batch import SequenceChunk

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.compression import DEFAULT_TOP_K, MAX_VOCAB
+from tandem_kernels.compression import DEFAULT_TOP_K, MAX_VOCAB
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
 from tandem.registry import DEFAULT_DRAFT_MODEL
 from tandem.runtime import resolve_dtype

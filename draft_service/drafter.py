@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from kernels.compression import CompressedProbs, pack
-from kernels.logits_processors import LogitsContext
-from kernels.sampling import Sampling
+from tandem_kernels.compression import CompressedProbs, pack
+from tandem_kernels.logits_processors import LogitsContext
+from tandem_kernels.sampling import Sampling
 from tandem.structured import Constraint
 from tandem.v1 import drafter_pb2
 

@@ -16,7 +16,7 @@ import logging
 
 from draft_service.drafter import DraftSequence, Proposal, SeqKey
 from draft_service.drafters.kv_slots import common_prefix_len
-from kernels.compression import point_mass
+from tandem_kernels.compression import point_mass
 from tandem.structured import CompiledGrammar, ConstraintError, GrammarCompiler
 from tandem.structured.grammar import Matcher
 

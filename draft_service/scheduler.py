@@ -38,7 +38,7 @@ from draft_service.features import SequenceFeatures
 from draft_service.grammars import DraftGrammars
 from draft_service.metrics import DraftMetrics
 from draft_service.predraft import Predrafter
-from kernels.sampling import Sampling
+from tandem_kernels.sampling import Sampling
 from tandem.hidden_states import FeatureError, extend_feature_rows
 from tandem.structured import Constraint, ConstraintError
 from tandem.v1 import drafter_pb2

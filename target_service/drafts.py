@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.compression import CompressedProbs, InvalidDraftProbs, unpack
+from tandem_kernels.compression import CompressedProbs, InvalidDraftProbs, unpack
 from target_service.sequence import Sequence
 from tandem.v1 import drafter_pb2
 

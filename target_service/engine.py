@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import grpc
 
-from kernels.random import sample_seed
+from tandem_kernels.random import sample_seed
 from target_service.config import TargetConfig
 from target_service.draft_plan import DraftPlan
 from target_service.errors import RequestError

@@ -16,7 +16,7 @@ forbids has p = 0 and is rejected. The masks are computed on their own thread du
 
 Logits rules (penalties, logit_bias, allowed tokens, bad words, the min_tokens ban): an item with a
 logits context has its rows processed the same way, row i counting d1..di as generated
-(kernels/logits_processors.py), so p at every row is what the target alone samples from.
+(tandem_kernels/logits_processors.py), so p at every row is what the target alone samples from.
 """
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.bitmask import allowed_tokens, apply_forbidden, apply_token_bitmask
-from kernels.compression import CompressedProbs, concat, no_probs
-from kernels.gumbel import verify_invariant
-from kernels.logits_processors import LogitsContext, process_logits
-from kernels.logprobs import TokenLogprob, row_logprobs, sequence_logprobs, token_logprobs
-from kernels.ragged import VerifyBatch
-from kernels.rejection import rejection_sample
-from kernels.sampling import Sampling, probs_of, sample
+from tandem_kernels.bitmask import allowed_tokens, apply_forbidden, apply_token_bitmask
+from tandem_kernels.compression import CompressedProbs, concat, no_probs
+from tandem_kernels.gumbel import verify_invariant
+from tandem_kernels.logits_processors import LogitsContext, process_logits
+from tandem_kernels.logprobs import TokenLogprob, row_logprobs, sequence_logprobs, token_logprobs
+from tandem_kernels.ragged import VerifyBatch
+from tandem_kernels.rejection import rejection_sample
+from tandem_kernels.sampling import Sampling, probs_of, sample
 from target_service.drafts import UsableDrafts
 from target_service.metrics import TargetMetrics
 from tandem.model.batch import SequenceChunk
@@ -295,7 +295,7 @@ class ModelRunner:
 def verify_greedy(drafts: tuple[int, ...], targets: list[int]) -> Verified:
     """Greedy verification: accept drafts while each equals the target's argmax at its position,
     then emit the argmax after the last accepted one (recovered or bonus token).
-    targets: argmax p at the k + 1 verified positions. Same rule as kernels.rejection's greedy rows."""
+    targets: argmax p at the k + 1 verified positions. Same rule as tandem_kernels.rejection's greedy rows."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
         accepted += 1

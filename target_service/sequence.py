@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import logging
 
-from kernels.logits_processors import LogitsContext
-from kernels.logprobs import TokenLogprob
-from kernels.sampling import Sampling
+from tandem_kernels.logits_processors import LogitsContext
+from tandem_kernels.logprobs import TokenLogprob
+from tandem_kernels.sampling import Sampling
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.structured import Constraint
 from tandem.structured.grammar import Matcher

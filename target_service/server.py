@@ -10,7 +10,7 @@ import time
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from kernels.logprobs import TokenLogprob
+from tandem_kernels.logprobs import TokenLogprob
 from target_service.config import TargetConfig
 from target_service.drafter_link import DrafterLink
 from target_service.engine import Engine

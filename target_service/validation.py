@@ -6,9 +6,9 @@ from collections.abc import Iterable
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from kernels.logprobs import MAX_LOGPROBS
-from kernels.random import fresh_seed
-from kernels.sampling import Sampling
+from tandem_kernels.logprobs import MAX_LOGPROBS
+from tandem_kernels.random import fresh_seed
+from tandem_kernels.sampling import Sampling
 from target_service.config import TargetConfig
 from target_service.errors import RequestError, invalid
 from target_service.sequence import RequestOptions

@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-# Triton picks interpreter or compiler when kernels/ is imported. Without CUDA only the
+# Triton picks interpreter or compiler when tandem_kernels/ is imported. Without CUDA only the
 # interpreter can run the kernels, and tests compare them with their references on CPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

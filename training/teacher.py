@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kernels.sampling import processed_probs, sample
+from tandem_kernels.sampling import processed_probs, sample
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
 from tandem.tokenizer import Tokenizer

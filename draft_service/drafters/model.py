@@ -27,10 +27,10 @@ import torch
 from draft_service.drafter import DraftJob, Guess, Proposal, SeqKey, make_proposal, never
 from draft_service.drafters.kv_slots import SlotState, SlotTable, common_prefix_len
 from draft_service.metrics import DraftMetrics
-from kernels.bitmask import allowed_tokens
-from kernels.compression import CompressedProbs, encode, point_mass, sample_compressed
-from kernels.logits_processors import process_logits
-from kernels.sampling import Sampling, probs_of, sample
+from tandem_kernels.bitmask import allowed_tokens
+from tandem_kernels.compression import CompressedProbs, encode, point_mass, sample_compressed
+from tandem_kernels.logits_processors import process_logits
+from tandem_kernels.sampling import Sampling, probs_of, sample
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
 from tandem.structured import TokenMasker

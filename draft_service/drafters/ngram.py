@@ -15,7 +15,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from draft_service.drafter import DraftJob, Proposal, SeqKey, make_proposal, never
-from kernels.compression import point_mass
+from tandem_kernels.compression import point_mass
 
 
 MAX_CANDIDATES = 8  # occurrences tried per n-gram length when the first continuations are not allowed

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from draft_service.drafter import DraftJob, Proposal, SeqKey, make_proposal, never
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.suffix_index import NO_DRAFT, SuffixDraft, SuffixIndex, SuffixParams, speculate
-from kernels.compression import point_mass
+from tandem_kernels.compression import point_mass
 
 
 @dataclass(slots=True)

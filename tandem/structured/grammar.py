@@ -128,7 +128,7 @@ class TokenMasker:
 
 
 def words_for(vocab_size: int) -> int:
-    """int32 words per bitmask row: token t is bit t % 32 of word t // 32 (kernels/bitmask.py reads it)."""
+    """int32 words per bitmask row: token t is bit t % 32 of word t // 32 (tandem_kernels/bitmask.py reads it)."""
     return (vocab_size + 31) // 32
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kernels.logprobs import MAX_LOGPROBS
+from tandem_kernels.logprobs import MAX_LOGPROBS
 from target_service.validation import UINT64_MASK
 from tandem.v1 import generation_pb2, structured_pb2
 

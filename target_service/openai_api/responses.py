@@ -5,7 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kernels.logprobs import TokenLogprob
+from tandem_kernels.logprobs import TokenLogprob
 from target_service.sequence import FinishReason, Sequence
 
 LOWEST_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM sends this in its place

@@ -24,7 +24,7 @@ from aiohttp import web
 from aiohttp_sse import sse_response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from kernels.logprobs import TokenLogprob
+from tandem_kernels.logprobs import TokenLogprob
 from target_service.errors import RequestError
 from target_service.openai_api import protocol, responses
 from target_service.openai_api.protocol import ProtocolError

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from smg_grpc_proto import vllm_engine_pb2
 
-from kernels.logprobs import MAX_LOGPROBS
+from tandem_kernels.logprobs import MAX_LOGPROBS
 from target_service.errors import RequestError, invalid
 from target_service.validation import UINT64_MASK
 from tandem.v1 import generation_pb2, structured_pb2

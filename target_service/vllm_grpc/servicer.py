@@ -22,7 +22,7 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from kernels.logprobs import TokenLogprob
+from tandem_kernels.logprobs import TokenLogprob
 from target_service.errors import RequestError
 from target_service.sequence import FinishReason, Output, Sequence
 from target_service.serving import SERVER_ABORTED, Serving

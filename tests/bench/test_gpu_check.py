@@ -36,7 +36,7 @@ def test_a_failing_part_is_reported_and_the_rest_still_runs(tmp_path):
 def test_the_gpu_tests_are_found_by_their_mark():
     files = gpu_check.gpu_test_files()
     assert {"tests/tandem/test_model_gpu.py", "tests/tandem/test_slot_attention.py",
-            "tests/kernels/test_kernels_triton.py"} <= set(files)
+            "tests/tandem_kernels/test_kernels_triton.py"} <= set(files)
     assert "tests/bench/test_gpu_check.py" not in files
 
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from kernels.compression import DEFAULT_TOP_K, ONE, sample_compressed, unpack, wire_bytes_per_token
+from tandem_kernels.compression import DEFAULT_TOP_K, ONE, sample_compressed, unpack, wire_bytes_per_token
 from tests.support.service_fixtures import metric, scrape
 from tandem.generate import greedy_generate
 from tandem.launch import ServiceProcess

@@ -11,9 +11,9 @@ from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter, lookup
 from draft_service.server import model_vocab_size
-from kernels.compression import ONE, encode, sample_compressed, unpack
-from kernels.logits_processors import process_logits
-from kernels.sampling import Sampling, processed_probs, sample
+from tandem_kernels.compression import ONE, encode, sample_compressed, unpack
+from tandem_kernels.logits_processors import process_logits
+from tandem_kernels.sampling import Sampling, processed_probs, sample
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk
 from tandem.runtime import load_tokenizer

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from draft_service.drafter import DraftJob, DraftSequence, Guess, Proposal, never
-from kernels.sampling import Sampling
+from tandem_kernels.sampling import Sampling
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter, lookup
 from draft_service.predraft import Fanout, Predrafter
 from draft_service.scheduler import Limits
-from kernels.compression import sample_compressed, unpack
+from tandem_kernels.compression import sample_compressed, unpack
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk
 from tandem.v1 import drafter_pb2 as pb

@@ -8,12 +8,12 @@ from collections import Counter
 import pytest
 
 from draft_service.drafter import DraftJob, DraftSequence
-from kernels.sampling import Sampling
+from tandem_kernels.sampling import Sampling
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.suffix import SuffixDrafter, SuffixFrontDrafter
 from draft_service.drafters.suffix_index import ANCHORS, SuffixIndex, SuffixParams, speculate
-from kernels.compression import ONE, unpack
+from tandem_kernels.compression import ONE, unpack
 from tests.support.tiny_drafter import tiny_draft_model
 
 K = 4

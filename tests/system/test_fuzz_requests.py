@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.fuzzing import fuzz_settings
 from tests.support.service_fixtures import PROMPTS, greedy_request, metric, protobuf_field, scrape
 from tandem.launch import ServiceProcess
 from tandem.v1 import generation_pb2, structured_pb2
@@ -173,8 +174,7 @@ def test_generated_requests_end_cleanly_and_leave_the_server_sound(pair, example
 
         reference = tokens(good)
 
-        @settings(max_examples=examples, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @fuzz_settings(examples)
         @given(requests())
         def check(wire: bytes) -> None:
             code = _status(generate(wire, timeout=CALL_TIMEOUT))

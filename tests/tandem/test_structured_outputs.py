@@ -12,12 +12,12 @@ import torch
 
 from bench.prompt_set import load_json_prompts
 from draft_service.drafter import DraftJob, DraftSequence, Proposal, make_proposal
-from kernels.sampling import Sampling
+from tandem_kernels.sampling import Sampling
 from draft_service.grammars import DraftGrammars, SequenceGrammar, cut
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
-from kernels.bitmask import allowed_tokens
-from kernels.compression import encode, unpack
+from tandem_kernels.bitmask import allowed_tokens
+from tandem_kernels.compression import encode, unpack
 from target_service.sequence import RequestOptions, Sequence
 from target_service.stops import StopChecker
 from tandem.detokenizer import IncrementalDetokenizer

@@ -4,7 +4,7 @@ Values are exact in float32, as the front doors' protos make them before the tar
 from __future__ import annotations
 
 from draft_service.drafter import DraftSequence, sampling_of
-from kernels.sampling import Sampling
+from tandem_kernels.sampling import Sampling
 from target_service.draft_messages import open_message
 from target_service.sequence import RequestOptions, Sequence
 from target_service.stops import StopChecker

@@ -12,8 +12,8 @@ import grpc
 import pytest
 import torch
 
-from kernels.compression import encode, pack
-from kernels.sampling import Sampling
+from tandem_kernels.compression import encode, pack
+from tandem_kernels.sampling import Sampling
 from target_service.config import TargetConfig
 from target_service.engine import Engine
 from target_service.errors import RequestError

@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.compression import encode, no_probs
-from kernels.ragged import VerifyBatch
-from kernels.rejection import rejection_sample_reference
-from kernels.sampling import Sampling
+from tandem_kernels.compression import encode, no_probs
+from tandem_kernels.ragged import VerifyBatch
+from tandem_kernels.rejection import rejection_sample_reference
+from tandem_kernels.sampling import Sampling
 from target_service.drafts import UsableDrafts
-from kernels.logits_processors import LogitsContext
+from tandem_kernels.logits_processors import LogitsContext
 from target_service.model_runner import PrefillItem, ModelRunner, Verified, VerifyItem, _process_logits, verify_greedy
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk

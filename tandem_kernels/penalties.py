@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import jit, require_triton, tl
-from kernels.checks import KernelInputError, check_tensor
+from tandem_kernels._triton import jit, require_triton, tl
+from tandem_kernels.checks import KernelInputError, check_tensor
 
 BLOCK = 256
 

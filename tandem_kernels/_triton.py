@@ -19,7 +19,7 @@ def jit(**options) -> Callable:
     return triton.jit(**options)
 
 
-# Triton chooses interpreter or compiler when a kernel is decorated, i.e. when kernels/ is imported.
+# Triton chooses interpreter or compiler when a kernel is decorated, i.e. when tandem_kernels/ is imported.
 INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 

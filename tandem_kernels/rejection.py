@@ -6,7 +6,7 @@ Terms (as in vLLM's rejection sampler):
 - bonus token: the token emitted after all k drafts were accepted.
 Each request emits num_accepted + 1 tokens: its accepted drafts, then one recovered or bonus token.
 
-The batch layout (cu_num_draft_tokens, positions) is described in `kernels.ragged`.
+The batch layout (cu_num_draft_tokens, positions) is described in `tandem_kernels.ragged`.
 
 Rules (docs/design.md, Lossless rules), with p the target row and q' the compressed draft distribution:
 - greedy: accept while d == argmax p; then emit argmax p.
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import constexpr, jit, next_power_of_2, require_triton, tl
-from kernels.checks import check_tensor
-from kernels.compression import ONE, CompressedProbs, decode, to_dense
-from kernels.random import TARGET_SALT, TARGET_SALT_C, accept_uniforms, race_weights, tl_accept_uniform, tl_race_weights
-from kernels.ragged import (
+from tandem_kernels._triton import constexpr, jit, next_power_of_2, require_triton, tl
+from tandem_kernels.checks import check_tensor
+from tandem_kernels.compression import ONE, CompressedProbs, decode, to_dense
+from tandem_kernels.random import TARGET_SALT, TARGET_SALT_C, accept_uniforms, race_weights, tl_accept_uniform, tl_race_weights
+from tandem_kernels.ragged import (
     RaggedLayout,
     VerifyBatch,
     VerifyResult,
@@ -33,7 +33,7 @@ from kernels.ragged import (
     num_leading,
     ragged_layout,
 )
-from kernels.sampling import BLOCK_V, tl_argmax
+from tandem_kernels.sampling import BLOCK_V, tl_argmax
 
 BLOCK_K = 16
 _INV_ONE = constexpr(1.0 / ONE)

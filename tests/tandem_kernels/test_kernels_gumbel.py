@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from kernels import VerifyBatch, processed_probs, sample, verify_invariant
+from tandem_kernels import VerifyBatch, processed_probs, sample, verify_invariant
 
 VOCAB = 30
 PROMPT_LEN = 7

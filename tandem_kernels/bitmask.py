@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import torch
 
-from kernels._triton import jit, next_power_of_2, require_triton, tl
+from tandem_kernels._triton import jit, next_power_of_2, require_triton, tl
 
 BLOCK_V = 1024
 

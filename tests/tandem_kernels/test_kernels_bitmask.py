@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._triton import INTERPRETED
-from kernels.bitmask import allowed_tokens, apply_token_bitmask, apply_token_bitmask_reference
+from tandem_kernels._triton import INTERPRETED
+from tandem_kernels.bitmask import allowed_tokens, apply_token_bitmask, apply_token_bitmask_reference
 from tandem.structured.grammar import words_for
 
 VOCABS = [1, 31, 32, 999, 4097, 49152]
@@ -48,7 +48,7 @@ def test_only_the_named_rows_are_masked():
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_triton_kernel_equals_the_reference(vocab, device):
     pytest.importorskip("triton")
-    from kernels.bitmask import apply_token_bitmask_triton
+    from tandem_kernels.bitmask import apply_token_bitmask_triton
 
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
     mask = _random_mask(3, vocab, vocab)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy import stats
 
-from kernels import KernelInputError, processed_probs, sample
-from kernels.sampling import MAX_TEMPERATURE, Sampling, probs_of
+from tandem_kernels import KernelInputError, processed_probs, sample
+from tandem_kernels.sampling import MAX_TEMPERATURE, Sampling, probs_of
 
 ALPHA = 1e-3
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from kernels import (
+from tandem_kernels import (
     CompressedProbs,
     KernelInputError,
     VerifyBatch,

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from kernels.logprobs import row_logprobs, sequence_logprobs, token_logprobs, top_entries
+from tandem_kernels.logprobs import row_logprobs, sequence_logprobs, token_logprobs, top_entries
 
 
 def test_each_token_gets_its_rows_logprob_rank_and_top():

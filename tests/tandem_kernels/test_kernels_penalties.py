@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.checks import KernelInputError
-from kernels.logits_processors import LogitsContext, process_logits
-from kernels.penalties import RowPenalties, apply_penalties, apply_penalties_reference, penalty_entries
-from kernels.sampling import Sampling
+from tandem_kernels.checks import KernelInputError
+from tandem_kernels.logits_processors import LogitsContext, process_logits
+from tandem_kernels.penalties import RowPenalties, apply_penalties, apply_penalties_reference, penalty_entries
+from tandem_kernels.sampling import Sampling
 
 VOCAB = 50
 

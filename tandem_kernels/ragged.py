@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.checks import KernelInputError, check_tensor
+from tandem_kernels.checks import KernelInputError, check_tensor
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import secrets
 import numpy as np
 import torch
 
-from kernels._triton import constexpr, jit, tl
+from tandem_kernels._triton import constexpr, jit, tl
 
 TARGET_SALT = 0x5441_5247  # "TARG"
 ACCEPT_SALT = 0x4143_4350  # "ACCP"

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import INTERPRETED, jit, next_power_of_2, require_triton, tl
-from kernels.checks import KernelInputError, check_tensor
-from kernels.random import TARGET_SALT, race_weights, tl_race_weights
+from tandem_kernels._triton import INTERPRETED, jit, next_power_of_2, require_triton, tl
+from tandem_kernels.checks import KernelInputError, check_tensor
+from tandem_kernels.random import TARGET_SALT, race_weights, tl_race_weights
 
 # A GPU pays for a block in registers, Triton's CPU interpreter per loop iteration.
 BLOCK_V = 4096 if INTERPRETED else 1024
@@ -58,7 +58,7 @@ class Sampling:
     min_p: float = 0.0
     seed: int = 0  # non-negative int64, as the draws are keyed
     drafter_invariant: bool = False  # the drafter draws with the target's shared noise
-    # Rules on the logits before p (kernels/logits_processors.py), vLLM's definitions.
+    # Rules on the logits before p (tandem_kernels/logits_processors.py), vLLM's definitions.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -8,16 +8,16 @@ t at the first mismatch, or as the bonus token. The output is therefore bit-iden
 from the target alone with the same seed, whatever the drafter, and the wire carries ids only.
 
 Greedy requests need no flag: their p is one-hot (see `processed_probs`), so t = argmax p.
-Batch layout and output as in `kernels.ragged`.
+Batch layout and output as in `tandem_kernels.ragged`.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, next_power_of_2, require_triton, tl
-from kernels.random import TARGET_SALT_C
-from kernels.ragged import VerifyBatch, VerifyResult, emit_tokens, launch_per_request, num_leading, ragged_layout
-from kernels.sampling import BLOCK_V, sample_reference, tl_race_argmax
+from tandem_kernels._triton import jit, next_power_of_2, require_triton, tl
+from tandem_kernels.random import TARGET_SALT_C
+from tandem_kernels.ragged import VerifyBatch, VerifyResult, emit_tokens, launch_per_request, num_leading, ragged_layout
+from tandem_kernels.sampling import BLOCK_V, sample_reference, tl_race_argmax
 
 
 def verify_invariant(verify: VerifyBatch) -> VerifyResult:

@@ -15,8 +15,8 @@ Target, per step (sequences without drafts are requests with k = 0):
 Drafter-invariant mode: the drafter proposes sample(q, seeds, t) (shared TARGET_SALT noise) and
 sends ids only; the target calls verify_invariant(batch).
 """
-from kernels.checks import KernelInputError
-from kernels.compression import (
+from tandem_kernels.checks import KernelInputError
+from tandem_kernels.compression import (
     DEFAULT_TOP_K,
     ONE,
     CompressedProbs,
@@ -32,11 +32,11 @@ from kernels.compression import (
     unpack,
     wire_bytes_per_token,
 )
-from kernels.gumbel import verify_invariant
-from kernels.random import ACCEPT_SALT, DRAFT_SALT, TARGET_SALT, fresh_seed
-from kernels.ragged import VerifyBatch, VerifyResult
-from kernels.rejection import rejection_sample
-from kernels.sampling import processed_probs, sample
+from tandem_kernels.gumbel import verify_invariant
+from tandem_kernels.random import ACCEPT_SALT, DRAFT_SALT, TARGET_SALT, fresh_seed
+from tandem_kernels.ragged import VerifyBatch, VerifyResult
+from tandem_kernels.rejection import rejection_sample
+from tandem_kernels.sampling import processed_probs, sample
 
 __all__ = [
     "ACCEPT_SALT",

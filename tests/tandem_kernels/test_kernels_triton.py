@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import (
+from tandem_kernels import (
     VerifyBatch,
     CompressedProbs,
     encode,
@@ -27,9 +27,9 @@ from kernels import (
     sample_compressed,
     verify_invariant,
 )
-from kernels._triton import INTERPRETED, tl, triton
-from kernels.gumbel import verify_invariant_reference, verify_invariant_triton
-from kernels.random import (
+from tandem_kernels._triton import INTERPRETED, tl, triton
+from tandem_kernels.gumbel import verify_invariant_reference, verify_invariant_triton
+from tandem_kernels.random import (
     DRAFT_SALT,
     TARGET_SALT,
     accept_uniforms,
@@ -39,15 +39,15 @@ from kernels.random import (
     tl_race_weights,
     tl_random_bits,
 )
-from kernels.penalties import (
+from tandem_kernels.penalties import (
     RowPenalties,
     apply_penalties,
     apply_penalties_reference,
     apply_penalties_triton,
     penalty_entries,
 )
-from kernels.rejection import rejection_sample_reference, rejection_sample_triton
-from kernels.sampling import sample_reference, sample_triton
+from tandem_kernels.rejection import rejection_sample_reference, rejection_sample_triton
+from tandem_kernels.sampling import sample_reference, sample_triton
 from tests.support.devices import triton_devices
 
 DEVICES = triton_devices(INTERPRETED)
@@ -251,7 +251,7 @@ def test_kernels_compile_for_sm90():
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from kernels import gumbel, penalties, rejection, sampling
+        from tandem_kernels import gumbel, penalties, rejection, sampling
         common = {"tokens_ptr": "*i64", "probs_ptr": "*fp32", "seeds_ptr": "*i64", "positions_ptr": "*i64",
                   "vocab": "i32"}
         ragged = {**common, "num_accepted_ptr": "*i32", "draft_ptr": "*i64", "cu_ptr": "*i64", "out_stride": "i32"}

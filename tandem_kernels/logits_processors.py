@@ -6,7 +6,7 @@ For each row, on both services (the target's verify rows and the drafter's draft
    the rest of the word (a one-token word always);
 3. the min_tokens ban: EOS and the stop tokens get -inf on the rows it covers;
 4. `logit_bias` is added;
-5. the penalties (kernels/penalties.py), counting the tokens before the row.
+5. the penalties (tandem_kernels/penalties.py), counting the tokens before the row.
 
 A verify row i follows the committed tokens and the drafts d1..di, so p at each row is the
 distribution the target alone would sample from after those tokens, and rejection sampling
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.penalties import RowPenalties, apply_penalties, penalty_entries
-from kernels.sampling import Sampling
+from tandem_kernels.penalties import RowPenalties, apply_penalties, penalty_entries
+from tandem_kernels.sampling import Sampling
 
 
 @dataclass(frozen=True, slots=True)

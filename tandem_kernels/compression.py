@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels.random import DRAFT_SALT, race_weights
+from tandem_kernels.random import DRAFT_SALT, race_weights
 
 ONE = 1 << 15
 # bench/acceptance.py on SmolLM2-135M: the smallest K whose acceptance is within 1% of the

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from kernels.random import (
+from tandem_kernels.random import (
     ACCEPT_SALT,
     DRAFT_SALT,
     TARGET_SALT,

@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy import stats
 
-from kernels import DRAFT_SALT, ONE, CompressedProbs, InvalidDraftProbs, sample
-from kernels.compression import (concat, decode, encode, no_probs, pack, point_mass, sample_compressed, to_dense,
+from tandem_kernels import DRAFT_SALT, ONE, CompressedProbs, InvalidDraftProbs, sample
+from tandem_kernels.compression import (concat, decode, encode, no_probs, pack, point_mass, sample_compressed, to_dense,
                                  unpack, wire_bytes_per_token)
 
 ALPHA = 1e-3
