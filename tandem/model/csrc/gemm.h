@@ -161,6 +161,19 @@ static void amx_configure(int rows, int tail_k) {
     _tile_loadconfig(&cfg);
 }
 
+/* One block of k from k0 into C tiles 0 (panel b0) and 1 (panel b1, when `two`): A in tile a, B in
+   tiles b0t and b1t. A macro, not a function: tile numbers must be compile-time immediates. */
+#define AMX_K_BLOCK(k0, a, b0t, b1t)                              \
+    do {                                                          \
+        _tile_loadd(a, x + (k0), K * 2);                          \
+        _tile_loadd(b0t, b0 + (int64_t)(k0) * PANEL, 64);         \
+        _tile_dpbf16ps(0, a, b0t);                                \
+        if (two) {                                                \
+            _tile_loadd(b1t, b1 + (int64_t)(k0) * PANEL, 64);     \
+            _tile_dpbf16ps(1, a, b1t);                            \
+        }                                                         \
+    } while (0)
+
 /* Panels [p0, p1) for rows [0, rows <= 16) of x, bf16 [*, K] with rows K apart. */
 static void amx_row_tile(const uint16_t* x, int K, const uint16_t* w, int p0, int p1, float* y, int ldy) {
     int64_t pstride = (int64_t)K * PANEL;  /* uint16 per panel */
@@ -171,24 +184,8 @@ static void amx_row_tile(const uint16_t* x, int K, const uint16_t* w, int p0, in
         const uint16_t* b1 = b0 + (two ? pstride : 0);
         _tile_zero(0);
         _tile_zero(1);
-        for (int k = 0; k < full_k; k += 32) {
-            _tile_loadd(2, x + k, K * 2);
-            _tile_loadd(3, b0 + (int64_t)k * PANEL, 64);
-            _tile_dpbf16ps(0, 2, 3);
-            if (two) {
-                _tile_loadd(4, b1 + (int64_t)k * PANEL, 64);
-                _tile_dpbf16ps(1, 2, 4);
-            }
-        }
-        if (full_k < K) {
-            _tile_loadd(5, x + full_k, K * 2);
-            _tile_loadd(6, b0 + (int64_t)full_k * PANEL, 64);
-            _tile_dpbf16ps(0, 5, 6);
-            if (two) {
-                _tile_loadd(7, b1 + (int64_t)full_k * PANEL, 64);
-                _tile_dpbf16ps(1, 5, 7);
-            }
-        }
+        for (int k = 0; k < full_k; k += 32) AMX_K_BLOCK(k, 2, 3, 4);
+        if (full_k < K) AMX_K_BLOCK(full_k, 5, 6, 7);
         _tile_stored(0, y + p * PANEL, ldy * 4);
         if (two) _tile_stored(1, y + (p + 1) * PANEL, ldy * 4);
     }
