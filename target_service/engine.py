@@ -26,10 +26,9 @@ from target_service.metrics import TargetMetrics
 from target_service.scheduler import PromptChunk, Scheduler
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence
 from target_service.speculator import Speculator
-from target_service.model_runner import PrefillItem, ModelRunner, Verified
+from target_service.model_runner import ModelRunner, PrefillItem, PromptPart, Verified
 from target_service.stops import StopChecker
 from tandem.detokenizer import IncrementalDetokenizer
-from tandem.model.batch import SequenceChunk
 from tandem.structured.grammar import Matcher
 from tandem.tokenizer import Tokenizer
 
@@ -180,15 +179,17 @@ class Engine:
                                      grammar=s.grammar, logits_context=s.logits_context(), logprobs=s.options.logprobs,
                                      prompt_logprobs=s.options.prompt_logprobs, copy_of=leader, cached=s.prefilled))
             first.setdefault(s.group, b)
-        partial = [SequenceChunk(slot=c.seq.slot, start=c.seq.prefilled, token_ids=c.seq.prompt_ids[c.seq.prefilled:c.end])
-                   for c in chunks]
+        parts = [PromptPart(slot=c.seq.slot, prompt_ids=c.seq.prompt_ids, start=c.seq.prefilled, end=c.end,
+                            prompt_logprobs=c.seq.options.prompt_logprobs) for c in chunks]
         started = time.perf_counter()
-        results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers, partial)
+        results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers, parts)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
         results, chunk_results = results[:len(items)], results[len(items):]
         for c, result in zip(chunks, chunk_results, strict=True):
             if result.features is not None:
                 self.speculator.keep_features(c.seq, c.seq.prefilled, result.features)
+            if result.prompt_logprobs is not None:
+                c.seq.prompt_logprobs += result.prompt_logprobs
             c.seq.prefilled = c.end
         prompts = [s for s, i in zip(prefills, items) if i.copy_of is None]
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in prompts))
@@ -222,8 +223,10 @@ class Engine:
                 continue
             output, finish = seq.commit(result.tokens, result.num_accepted, self.scheduler.kv_cache.max_len,
                                         result.logprobs)
-            outputs.append(output if result.prompt_logprobs is None
-                           else replace(output, prompt_logprobs=result.prompt_logprobs))
+            if result.prompt_logprobs is not None:  # with those its earlier chunks scored
+                output = replace(output, prompt_logprobs=seq.prompt_logprobs + result.prompt_logprobs)
+                seq.prompt_logprobs = []
+            outputs.append(output)
             if finish is not None:
                 self._finish(seq, finish)
         return outputs

@@ -1,7 +1,9 @@
 """The model work of one target step, run on the executor thread over snapshots of sequence state.
 
 Prefill: each new prompt is run and its first token sampled at position len(prompt); a prompt whose
-logprobs are asked for keeps the logits of every position, which score its own tokens. The other
+logprobs are asked for keeps the logits of every position, which score its own tokens. A long
+prompt may run in parts over several steps (`PromptPart`, chunked prefill): a part writes its KV,
+samples nothing, and scores its tokens the same way. The other
 samples of a request (n > 1) run nothing: they copy the first sample's prompt KV into their slots
 and sample the same logits row with their own seeds.
 Verify: a sequence with committed tokens x[0..n-1] has KV for n-1 of them; it runs
@@ -20,6 +22,7 @@ logits context has its rows processed the same way, row i counting d1..di as gen
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,9 +60,39 @@ class PrefillItem:
 
     @property
     def num_logits(self) -> int:
-        """Every prompt position's logits when its prompt's logprobs are asked (then nothing is cached);
-        else the last one's."""
-        return 1 if self.prompt_logprobs is None else len(self.prompt_ids)
+        """Every position's logits from `cached` on when its prompt's logprobs are asked; else the last one's."""
+        return 1 if self.prompt_logprobs is None else len(self.prompt_ids) - self.cached
+
+    @property
+    def scored(self) -> list[int]:
+        """The prompt tokens its rows score, when its prompt's logprobs are asked: row j scores the token after it."""
+        return self.prompt_ids[self.cached + 1:]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPart:
+    """Positions [start, end) of a prompt that goes on in a later step (chunked prefill): its KV is
+    written and nothing is sampled; with prompt_logprobs, prompt tokens start + 1 .. end are scored."""
+
+    slot: int
+    prompt_ids: list[int]
+    start: int
+    end: int
+    prompt_logprobs: int | None = None
+
+    @property
+    def num_logits(self) -> int:
+        """Its rows when its prompt's logprobs are asked; else the one row a forward returns (unread)."""
+        return 1 if self.prompt_logprobs is None else self.end - self.start
+
+    @property
+    def chunk(self) -> SequenceChunk:
+        return SequenceChunk(slot=self.slot, start=self.start, token_ids=self.prompt_ids[self.start:self.end],
+                             num_logits=self.num_logits)
+
+    @property
+    def scored(self) -> list[int]:
+        return self.prompt_ids[self.start + 1:self.end + 1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +120,8 @@ class Verified:
     # (a prefill's prompt positions; a verify's n-1 .. n-1+k, of which the committed ones are sent).
     features: torch.Tensor | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the item asked for them
-    prompt_logprobs: list[TokenLogprob] | None = None  # a prefill's, for prompt tokens 1.., when asked
+    # A prefill's, when asked: for prompt tokens cached + 1 .. (a part's: start + 1 .. end)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class ModelRunner:
@@ -112,26 +146,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = (),
-                partial: list[SequenceChunk] = ()) -> list[Verified]:
+                parts: list[PromptPart] = ()) -> list[Verified]:
         """Each item's first token; capture: also the features of these target layers (Verified.features).
 
-        partial: earlier chunks of longer prompts, run in the same forward for their KV; after the
-        items' results comes one per chunk, with no token (and its features, when captured)."""
+        parts: earlier parts of longer prompts, run in the same forward; after the items' results
+        comes one per part, with no token (and its features and prompt logprobs, when asked)."""
         runs = [b for b, i in enumerate(items) if i.copy_of is None]  # the items whose prompts run
         chunks = [SequenceChunk(slot=items[b].slot, start=items[b].cached, token_ids=items[b].prompt_ids[items[b].cached:],
                                 num_logits=items[b].num_logits) for b in runs]
+        masks = self._start_masks([(i.grammar, ()) for i in items])  # computed during the forward
+        scoring = [items[b] for b in runs] + list(parts)  # in the order of their rows
+        rows, features, to_logits = self._prefill_forward(chunks + [p.chunk for p in parts], capture, scoring)
+        num_rows = sum(c.num_logits for c in chunks)  # the parts' rows come after these
+        parts_scored = _prompt_logprobs(rows[num_rows:], list(parts), to_logits)
+        part_results = [Verified([], 0, f, prompt_logprobs=scored)
+                        for f, scored in zip(features[len(chunks):], parts_scored, strict=True)]
         if not chunks:
-            return [Verified([], 0, f) for f in self._forward(list(partial), capture)[1]]
-        num_rows = sum(c.num_logits for c in chunks)  # the partial chunks' rows come after these
-        masks = self._start_masks([(i.grammar, ()) for i in items])
-        if capture or all(items[b].prompt_logprobs is None for b in runs):
-            rows, features = self._forward(chunks + list(partial), capture)  # logits [sum(num_logits), vocab]
-            to_logits = None
-        else:  # prompts' logprobs: hidden states [sum(num_logits), hidden], turned into logits in chunks
-            rows = self.model.final_hidden(self.model.build_batch(chunks + list(partial)))
-            features, to_logits = [None] * (len(chunks) + len(partial)), self.model.logits
-        rows, features, partial_features = rows[:num_rows], features[:len(chunks)], features[len(chunks):]
-        logits, prompt_logprobs = _prompt_logprobs(rows, [items[b] for b in runs], to_logits)  # [runs, vocab]
+            return part_results
+        rows, features = rows[:num_rows], features[:len(chunks)]
+        prompt_logprobs = _prompt_logprobs(rows, [items[b] for b in runs], to_logits)
+        logits = _last_rows(rows, [items[b] for b in runs], to_logits)  # [runs, vocab]
         if len(runs) < len(items):  # samples of one prompt: its KV shared, its row repeated
             run_of = {b: r for r, b in enumerate(runs)}
             rows = [run_of[b if i.copy_of is None else i.copy_of] for b, i in enumerate(items)]
@@ -156,8 +190,18 @@ class ModelRunner:
             for b, token in zip(sampled, sample(probs, self._seeds(samplings), positions).tolist()):
                 tokens[b] = token
         return _with_logprobs([Verified([token], 0, rows, prompt_logprobs=prompt)
-                               for token, rows, prompt in zip(tokens, features, prompt_logprobs)], raw) + [
-            Verified([], 0, f) for f in partial_features]
+                               for token, rows, prompt in zip(tokens, features, prompt_logprobs)], raw) + part_results
+
+    def _prefill_forward(self, chunks: list[SequenceChunk], capture: tuple[int, ...],
+                         scoring: list[PrefillItem | PromptPart]
+                         ) -> tuple[torch.Tensor, list[torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor] | None]:
+        """The chunks' rows, their features, and what turns the rows into logits: None when they
+        are logits already; the final norm and LM head when some prompt's logprobs are asked (and no
+        features), so that a long prompt's rows become logits a slice at a time."""
+        if capture or all(s.prompt_logprobs is None for s in scoring):
+            return *self._forward(chunks, capture), None  # logits [sum(num_logits), vocab]
+        hidden = self.model.final_hidden(self.model.build_batch(chunks))  # [sum(num_logits), hidden]
+        return hidden, [None] * len(chunks), self.model.logits
 
     @torch.inference_mode()
     def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:
@@ -309,24 +353,27 @@ def _process_logits(logits: torch.Tensor, items: list[tuple[int, PrefillItem | V
         process_logits(logits, ruled)
 
 
-def _prompt_logprobs(rows: torch.Tensor, items: list[PrefillItem],
-                     to_logits: Callable[[torch.Tensor], torch.Tensor] | None
-                     ) -> tuple[torch.Tensor, list[list[TokenLogprob] | None]]:
-    """From a prefill's rows [sum(num_logits), ...] (logits, or what to_logits turns into logits):
-    each item's last row of logits [B, vocab], and the logprobs of the prompt tokens of the items
-    that asked for them (row j scores token j + 1)."""
-    if all(i.prompt_logprobs is None for i in items):
-        return rows, [None] * len(items)
+def _prompt_logprobs(rows: torch.Tensor, runs: list[PrefillItem] | list[PromptPart],
+                     to_logits: Callable[[torch.Tensor], torch.Tensor] | None) -> list[list[TokenLogprob] | None]:
+    """From rows [sum(num_logits), ...] (logits, or what to_logits turns into logits), the logprobs
+    of the prompt tokens each run scores, for those that asked (row j scores the token after it)."""
     prompts: list[list[TokenLogprob] | None] = []
-    lasts, start = [], 0
-    for item in items:
-        end = start + item.num_logits
-        lasts.append(end - 1)
-        prompts.append(None if item.prompt_logprobs is None else
-                       sequence_logprobs(rows[start:end - 1], item.prompt_ids[1:], item.prompt_logprobs, to_logits))
-        start = end
-    last = rows[torch.tensor(lasts, dtype=torch.int64, device=rows.device)]
-    return (last if to_logits is None else to_logits(last)), prompts
+    start = 0
+    for run in runs:
+        prompts.append(None if run.prompt_logprobs is None else
+                       sequence_logprobs(rows[start:start + len(run.scored)], run.scored, run.prompt_logprobs, to_logits))
+        start += run.num_logits
+    return prompts
+
+
+def _last_rows(rows: torch.Tensor, items: list[PrefillItem],
+               to_logits: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """Each item's last row of logits [B, vocab], from which its first token is sampled."""
+    last = rows
+    if any(i.num_logits > 1 for i in items):
+        ends = torch.tensor(list(itertools.accumulate(i.num_logits for i in items)), dtype=torch.int64)
+        last = rows[(ends - 1).to(rows.device)]
+    return last if to_logits is None else to_logits(last)
 
 
 @dataclass(frozen=True, slots=True)

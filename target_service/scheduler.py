@@ -17,9 +17,8 @@ frees it.
 
 Each step runs at most `max_num_batched_tokens` tokens (vLLM's token budget, chunked prefill): the
 running sequences' tokens and drafts first, then prompts in the order they came, a long prompt in
-chunks over several steps. A chunk writes KV and samples nothing; the prompt's last chunk gives its
-first token. A prompt whose every position's logits are read (prompt_logprobs) runs whole, as
-the step's first prompt.
+chunks over several steps. A chunk writes KV and samples nothing (it scores its tokens when the
+prompt's logprobs are asked); the prompt's last chunk gives its first token.
 """
 from __future__ import annotations
 
@@ -173,18 +172,15 @@ class Scheduler:
         admitted = []
         while budget.left > 0 and self.can_admit():
             group = self._next_group()
-            head = group[0]
-            if (not head.num_generated and _runs_whole(head) and (prefills or chunks)
-                    and len(head.prompt_ids) > budget.left):
-                break  # admitted when it can run, as a later step's first prompt: the queue keeps its order
             for seq in group:
                 if seq.num_generated:  # preempted: its committed tokens, of which its new slot may hold some
                     seq.slot, seq.replay_from = self.prefix_cache.allocate(seq.token_ids)
                     decodes.append(seq)
                     budget.take(self._step_tokens(seq))
                 else:
-                    reuse = not full_prefills and not _runs_whole(seq)  # else every position runs
+                    reuse = not full_prefills and seq.options.prompt_logprobs is None  # else every position runs
                     seq.slot, seq.prefilled = self.prefix_cache.allocate(seq.prompt_ids, reuse)
+                    del seq.prompt_logprobs[seq.prefilled:]  # after a preemption: the positions that run again
                     if seq.admitted_at is None:  # else preempted before its first token: the drafter has it
                         seq.cached_tokens = seq.prefilled
                         seq.admitted_at = time.perf_counter()
@@ -204,14 +200,13 @@ class Scheduler:
     def _take_prompt(self, samples: list[Sequence], budget: "_Budget", prefills: list[Sequence],
                      chunks: list[PromptChunk]) -> None:
         """The first sample runs the prompt to its end if the budget allows (the others then share it),
-        else a chunk of it; a prompt that cannot be chunked runs whole, but only as the step's first."""
+        else a chunk of it."""
         leader = samples[0]
         remaining = len(leader.prompt_ids) - leader.prefilled
-        whole = _runs_whole(leader)
-        if remaining <= budget.left or (whole and not prefills and not chunks):
+        if remaining <= budget.left:
             prefills.extend(samples)
             budget.take(remaining)
-        elif not whole and budget.left > 0:
+        elif budget.left > 0:
             chunks.append(PromptChunk(leader, leader.prefilled + budget.left))
             budget.take(budget.left)
 
@@ -284,12 +279,6 @@ class Scheduler:
     def _forget(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.sequences.pop(seq.seq_id, None)
-
-
-def _runs_whole(seq: Sequence) -> bool:
-    """Every position of the prompt has its logits read (prompt_logprobs): it takes no cached prefix,
-    and runs in one step."""
-    return seq.options.prompt_logprobs is not None
 
 
 class _Budget:

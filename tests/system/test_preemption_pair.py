@@ -32,22 +32,25 @@ def test_preempted_sequences_recompute_their_kv_and_keep_the_target_alones_token
 
     chunked: a step runs 16 prompt positions beside the running sequences' tokens, so the prompts
     (about 45 tokens with the chat template) are prefilled in chunks, and sequences may be preempted
-    between chunks; the tokens alone then come from a target that prefills whole prompts."""
+    between chunks; the tokens alone then come from a target that prefills whole prompts. Every
+    request there asks its prompt's logprobs too, which its chunks score: they are those of the
+    whole prompt, bit for bit."""
     target = ServiceProcess("target_service", [
         "--threads", "1", "--max-model-len", "256", "--kv-cache-tokens", "256", "--max-num-seqs", "4",
         *flags, "--drafter", shared_drafter.address],
         log_path=tmp_path / "target.log", http_port=free_port()).start()
     chunked = "--max-num-batched-tokens" in flags
     reference = request.getfixturevalue("front_doors") if chunked else target
+    modes = [{**mode, "prompt_logprobs": 1} for mode in MODES] if chunked else MODES
     try:
         target.wait_healthy().wait_metric("tandem_drafter_connected", 1)
         if "--no-prefix-caching" in flags:
             _assert_no_kv_events(target.address)
         alone = run_requests(reference.address,
-                             [_request(p, speculate=False, **mode) for mode in MODES for p in PROMPTS], concurrency=1)
+                             [_request(p, speculate=False, **mode) for mode in modes for p in PROMPTS], concurrency=1)
         assert metric(scrape(target.metrics_url), "tandem_num_preemptions_total") == 0
         together = []
-        for mode in MODES:
+        for mode in modes:
             before = metric(scrape(target.metrics_url), "tandem_num_preemptions_total")
             together += run_requests(target.address, [_request(p, **mode) for p in PROMPTS])
             samples = scrape(target.metrics_url)
@@ -60,6 +63,8 @@ def test_preempted_sequences_recompute_their_kv_and_keep_the_target_alones_token
         assert metric(samples, "tandem_step_duration_seconds_count", kind="prefill") > len(together)
     for mine, expected in zip(together, alone):
         assert mine.token_ids == expected.token_ids
+        assert mine.prompt_logprobs == expected.prompt_logprobs and len(mine.prompt_logprobs) == (
+            mine.prompt_tokens - 1 if chunked else 0)
 
 
 def _assert_no_kv_events(address: str) -> None:

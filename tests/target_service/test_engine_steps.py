@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tandem_kernels.compression import encode, pack
+from tandem_kernels.logprobs import TokenLogprob
 from tandem_kernels.sampling import Sampling
 from target_service.config import TargetConfig
 from target_service.engine import Engine
@@ -22,8 +23,7 @@ from target_service.scheduler import Scheduler
 from target_service.speculation import speculation_policy
 from target_service.speculator import Speculator
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence, SequenceStatus
-from target_service.model_runner import PrefillItem, Verified, VerifyItem
-from tandem.model.batch import SequenceChunk
+from target_service.model_runner import PrefillItem, PromptPart, Verified, VerifyItem
 from tandem.model.kv_cache import KVCache
 from tandem.model.random_weights import SHAPES
 from tandem.v1 import drafter_pb2
@@ -51,6 +51,11 @@ class FakeTokenizer:
         return "".join(f"<{i}>" for i in ids)
 
 
+def _scored(run: PrefillItem | PromptPart) -> list[TokenLogprob] | None:
+    """Scripted prompt logprobs: each token it scores, with the logprob -token."""
+    return None if run.prompt_logprobs is None else [TokenLogprob(t, -float(t), 1, ()) for t in run.scored]
+
+
 class ScriptedRunner:
     """A greedy target without a model: each prompt's continuation is scripted in CONTINUATIONS.
 
@@ -62,17 +67,17 @@ class ScriptedRunner:
         self.prompt_of = prompt_of  # slot -> the prompt of the sequence running in it
         self.verified: list[list[VerifyItem]] = []  # the items of every verify call
         self.prefilled: list[list[PrefillItem]] = []  # the items of every prefill call
-        self.partial: list[list[SequenceChunk]] = []  # the chunks of every prefill call
+        self.parts: list[list[PromptPart]] = []  # the prompt parts of every prefill call
         self.prompts: dict[int, tuple[int, ...]] = {}  # slot -> the prompt last prefilled into it
 
     def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = (),
-                partial: list[SequenceChunk] = ()) -> list[Verified]:
+                parts: list[PromptPart] = ()) -> list[Verified]:
         self.events.append("prefill")
         self.prefilled.append(items)
-        self.partial.append(list(partial))
+        self.parts.append(list(parts))
         self.prompts.update((item.slot, tuple(item.prompt_ids)) for item in items)
-        return [Verified([CONTINUATIONS[tuple(item.prompt_ids)][0]], 0) for item in items] + [
-            Verified([], 0) for _ in partial]
+        return [Verified([CONTINUATIONS[tuple(item.prompt_ids)][0]], 0, prompt_logprobs=_scored(item))
+                for item in items] + [Verified([], 0, prompt_logprobs=_scored(part)) for part in parts]
 
     def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:
         self.verified.append(items)
@@ -586,8 +591,8 @@ async def test_a_sequence_short_of_blocks_is_preempted_and_resumes_with_the_same
 # ---- chunked prefill ------------------------------------------------------------------------------
 
 def chunks_run(h: Harness) -> list[list[tuple[int, int]]]:
-    """Each prefill call's chunks, as (start, end) positions."""
-    return [[(c.start, c.end) for c in call] for call in h.runner.partial]
+    """Each prefill call's prompt parts, as (start, end) positions."""
+    return [[(c.start, c.end) for c in call] for call in h.runner.parts]
 
 
 async def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_sequence_decodes(make):
@@ -629,26 +634,29 @@ async def test_the_blocks_a_chunk_fills_are_found_before_its_prompt_ends(make):
     assert first.token_ids[40:] == second.token_ids[40:] == [CONTINUATIONS[CHUNKED_PROMPT][0]]
 
 
-async def test_a_prompt_that_runs_whole_waits_in_the_queue_until_it_can_be_the_steps_first(make):
-    """prompt_logprobs read every prompt position, so that prompt runs whole. Behind a prompt that
-    is being chunked it is not admitted (no slot held, no Open, no queue time), and neither is the
-    request behind it; once the chunked prompt ends, it runs whole, past the budget, as the step's
-    first prompt, and the next request goes in the step after."""
+def prompt_scored(seq: Sequence) -> list[int]:
+    """The prompt tokens its first output's prompt logprobs score, in order."""
+    return [lp.token for lp in seq.outbox.get_nowait().prompt_logprobs]
+
+
+async def test_a_prompt_whose_logprobs_are_asked_runs_in_chunks_and_scores_each_token_once(make):
+    """prompt_logprobs read every prompt position, and such a prompt is chunked like any other:
+    admitted with the 8 positions a chunked prompt leaves on its last step, it runs in the budget,
+    takes no cached prefix (the first request's blocks hold its prompt's start), and its first
+    output carries the logprobs of prompt tokens 1.., those its chunks scored first."""
     h = make(max_num_batched_tokens=16)
     chunked = h.submit(CHUNKED_PROMPT)
     await h.engine.step()
-    whole, after = h.submit(LONG_PROMPT, prompt_logprobs=1), h.submit(PROMPT)
+    scored = h.submit(CHUNKED_PROMPT, prompt_logprobs=1)
     await h.engine.step()
-    assert (whole.status, after.status) == (SequenceStatus.WAITING, SequenceStatus.WAITING)
-    assert h.link.told(whole) == [] and h.count("tandem_request_queue_time_seconds_count") == 1
-    await h.engine.step()  # the chunked prompt ends with 8 positions; LONG_PROMPT needs 20
-    assert len(chunked.token_ids) == len(CHUNKED_PROMPT) + 1 and whole.status is SequenceStatus.WAITING
     await h.engine.step()
-    assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(0, 20)]
-    assert whole.token_ids[20:] == [CONTINUATIONS[LONG_PROMPT][0]]
-    assert after.status is SequenceStatus.WAITING, "the whole prompt took more than the budget left"
-    await h.engine.step()
-    assert after.token_ids == [*PROMPT, T[0]]
+    assert scored.status is SequenceStatus.RUNNING and h.link.told(scored)[0][0] == "open"
+    while len(scored.token_ids) == len(CHUNKED_PROMPT):
+        await h.engine.step()
+    assert chunks_run(h) == [[(0, 16)], [(16, 32)], [(0, 8)], [(8, 24)], []]
+    assert [[(i.cached, len(i.prompt_ids)) for i in call] for call in h.runner.prefilled][2:] == [[(32, 40)], [], [(24, 40)]]
+    assert scored.cached_tokens == 0 and chunked.token_ids[40:41] == scored.token_ids[40:41]
+    assert prompt_scored(scored) == list(CHUNKED_PROMPT[1:])
 
 
 async def test_a_requests_samples_share_the_prompt_their_first_sample_ran_in_chunks(make):
@@ -661,7 +669,7 @@ async def test_a_requests_samples_share_the_prompt_their_first_sample_ran_in_chu
     h.engine.submit(samples)
     for _ in range(3):
         await h.engine.step()
-    assert [c.slot for call in h.runner.partial for c in call] == [samples[0].slot] * 2
+    assert [c.slot for call in h.runner.parts for c in call] == [samples[0].slot] * 2
     assert [(i.copy_of, i.cached) for i in h.runner.prefilled[-1]] == [(None, 32), (0, 0)]
     assert all(s.token_ids == [*CHUNKED_PROMPT, CONTINUATIONS[CHUNKED_PROMPT][0]] for s in samples)
 
@@ -688,6 +696,24 @@ async def test_a_sequence_preempted_between_chunks_resumes_its_prompt_from_its_c
     assert [said[0] for said in h.link.told(seq)].count("open") == 1
     assert h.count("tandem_request_queue_time_seconds_count") == 2
 
+
+
+async def test_a_prompt_whose_logprobs_are_asked_runs_again_from_its_start_after_a_preemption(make):
+    """The preemption above with prompt_logprobs asked: readmitted, the prompt takes none of its
+    cached blocks (they hold no logprobs) and runs from position 0; each token is scored once."""
+    h = make(num_slots=4, max_len=64, kv_blocks=4, max_num_batched_tokens=21)
+    running = h.submit(PROMPT, max_tokens=16)
+    while len(running.token_ids) < 10:
+        await h.engine.step()
+    seq = h.submit(CHUNKED_PROMPT, max_tokens=4, prompt_logprobs=1)
+    for _ in range(3):
+        await h.engine.step()
+    assert seq.status is SequenceStatus.WAITING and chunks_run(h)[-2:] == [[(0, 16)], [(16, 32)]]
+    while len(seq.token_ids) == len(CHUNKED_PROMPT):
+        await h.engine.step()
+    assert [c for call in chunks_run(h) for c in call] == [(0, 16), (16, 32), (0, 21)]  # the budget is all its own
+    assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(21, 40)]
+    assert prompt_scored(seq) == list(CHUNKED_PROMPT[1:])
 
 # ---- reconnect ----------------------------------------------------------------------------------------
 

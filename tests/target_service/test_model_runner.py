@@ -10,7 +10,8 @@ from tandem_kernels.rejection import rejection_sample_reference
 from tandem_kernels.sampling import Sampling
 from target_service.drafts import UsableDrafts
 from tandem_kernels.logits_processors import LogitsContext
-from target_service.model_runner import PrefillItem, ModelRunner, Verified, VerifyItem, _process_logits, verify_greedy
+from target_service.model_runner import (ModelRunner, PrefillItem, PromptPart, Verified, VerifyItem, _process_logits,
+                                         verify_greedy)
 from tandem.generate import greedy_generate
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import build_model
@@ -266,8 +267,8 @@ def test_a_prompt_prefilled_in_chunks_beside_other_prompts_gives_the_whole_prefi
     beside = []
     for start, end, other in ((0, 16, others[0]), (16, 30, others[1])):
         result, chunk = runner.prefill([PrefillItem(2, other, greedy, logprobs=2)],
-                                       partial=[SequenceChunk(slot=0, start=start, token_ids=prompt[start:end])])
-        assert (chunk.tokens, chunk.features) == ([], None), "a chunk samples nothing"
+                                       parts=[PromptPart(slot=0, prompt_ids=prompt, start=start, end=end)])
+        assert chunk == Verified([], 0), "a chunk samples nothing"
         beside.append(result)
     assert [r.tokens for r in beside] == [r.tokens for r in alone]
     _assert_same_logprobs(runner, [lp for r in beside for lp in r.logprobs], [lp for r in alone for lp in r.logprobs])
@@ -276,11 +277,32 @@ def test_a_prompt_prefilled_in_chunks_beside_other_prompts_gives_the_whole_prefi
     assert chunked_tokens == whole_tokens
     _assert_same_logprobs(runner, chunked_logprobs, whole_logprobs)
     # A call of chunks alone writes their KV; one beside a prompt's logprobs leaves those as they are alone.
-    assert runner.prefill([], partial=[SequenceChunk(slot=3, start=0, token_ids=prompt[:8])]) == [Verified([], 0)]
+    assert runner.prefill([], parts=[PromptPart(slot=3, prompt_ids=prompt, start=0, end=8)]) == [Verified([], 0)]
     assert _finish_prefill_and_decode(runner, 3, prompt, cached=8, steps=3)[0] == whole_tokens
-    scored = [runner.prefill([PrefillItem(2, others[1], greedy, prompt_logprobs=2)], partial=partial)[0].prompt_logprobs
-              for partial in ([], [SequenceChunk(slot=3, start=0, token_ids=prompt[:16])])]
+    scored = [runner.prefill([PrefillItem(2, others[1], greedy, prompt_logprobs=2)], parts=parts)[0].prompt_logprobs
+              for parts in ([], [PromptPart(slot=3, prompt_ids=prompt, start=0, end=16)])]
     _assert_same_logprobs(runner, scored[1], scored[0])
+
+
+@pytest.mark.parametrize("capture", [(), (0, 1)], ids=["logits", "features"])
+def test_a_prompts_logprobs_come_in_its_chunks_as_they_come_whole(runner, capture):
+    """Prompt logprobs asked of a prompt run in three calls: each part scores the tokens after its
+    positions, the first beside a prompt that asks none (its first token is what it is alone), and
+    together with the last call's they are the whole prefill's, as is the first token. With
+    features captured the rows come as logits, else as hidden states turned into logits."""
+    prompt, greedy, other = list(range(3, 40)), Sampling(), list(range(50, 59))
+    [whole] = runner.prefill([PrefillItem(1, prompt, greedy, prompt_logprobs=2)], capture)
+    [alone] = runner.prefill([PrefillItem(2, other, greedy)], capture)
+    beside, first = runner.prefill([PrefillItem(2, other, greedy)], capture,
+                                   parts=[PromptPart(slot=0, prompt_ids=prompt, start=0, end=16, prompt_logprobs=2)])
+    [second] = runner.prefill([], capture, parts=[PromptPart(slot=0, prompt_ids=prompt, start=16, end=30,
+                                                             prompt_logprobs=2)])
+    [last] = runner.prefill([PrefillItem(0, prompt, greedy, prompt_logprobs=2, cached=30)], capture)
+    assert beside.tokens == alone.tokens and last.tokens == whole.tokens
+    assert [len(r.prompt_logprobs) for r in (first, second, last)] == [16, 14, 6]
+    assert [lp.token for lp in whole.prompt_logprobs] == prompt[1:]
+    _assert_same_logprobs(runner, first.prompt_logprobs + second.prompt_logprobs + last.prompt_logprobs,
+                          whole.prompt_logprobs)
 
 
 def test_a_prompts_features_come_in_its_chunks_as_they_come_whole(runner):
@@ -288,9 +310,9 @@ def test_a_prompts_features_come_in_its_chunks_as_they_come_whole(runner):
     they are the whole prefill's rows, and the first token is the same."""
     prompt, greedy, layers = list(range(3, 40)), Sampling(), (0, 1)
     [whole] = runner.prefill([PrefillItem(1, prompt, greedy)], layers)
-    [first] = runner.prefill([], layers, partial=[SequenceChunk(slot=0, start=0, token_ids=prompt[:16])])
+    [first] = runner.prefill([], layers, parts=[PromptPart(slot=0, prompt_ids=prompt, start=0, end=16)])
     other, second = runner.prefill([PrefillItem(2, list(range(50, 59)), greedy)], layers,
-                                   partial=[SequenceChunk(slot=0, start=16, token_ids=prompt[16:30])])
+                                   parts=[PromptPart(slot=0, prompt_ids=prompt, start=16, end=30)])
     [last] = runner.prefill([PrefillItem(0, prompt, greedy, cached=30)], layers)
     assert last.tokens == whole.tokens and other.features.shape[0] == 9
     chunked = torch.cat([first.features, second.features, last.features])  # [37, layers, hidden]
