@@ -2,6 +2,7 @@
 
     python -m bench.chunked_prefill                  # budgets 1000000 (whole prompts), 2048, 512, 256
     python -m bench.chunked_prefill --drafter model  # each target with its own model drafter
+    python -m bench.chunked_prefill --prompt-logprobs 1  # the long prompts ask their prompt's logprobs
 
 One target per --max-num-batched-tokens value, started together and measured in turn, round by
 round, so that a drifting machine hits each alike. A round: 4 streams (short prompts, 128 tokens
@@ -47,10 +48,11 @@ class Variant:
         return 1 + self.accepted / self.draft_steps if self.draft_steps else None
 
 
-def request(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
+def request(prompt: str, max_tokens: int, prompt_logprobs: int | None = None) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
         chat=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content=prompt)]),
-        sampling_params=generation_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        sampling_params=generation_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                                      prompt_logprobs=prompt_logprobs))
 
 
 def long_prompt(index: int, words: int) -> str:
@@ -64,7 +66,8 @@ async def one_round(address: str, variant: Variant, round_index: int, args: argp
 
         async def long_one(i: int) -> GenerationResult:
             await asyncio.sleep(args.stagger * (i + 1))
-            return await generate(stub, request(long_prompt(round_index * 100 + i, args.long_words), 8))
+            prompt = long_prompt(round_index * 100 + i, args.long_words)
+            return await generate(stub, request(prompt, 8, args.prompt_logprobs))
 
         streams = [generate(stub, request(STREAM_PROMPT, args.stream_tokens)) for _ in range(args.streams)]
         results = await asyncio.gather(*streams, *(long_one(i) for i in range(args.long_prompts)))
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafter", choices=["model", "ngram", "suffix", "suffix+model"],
                         help="a draft service of this kind for each target; default: none")
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
+    parser.add_argument("--prompt-logprobs", type=int, help="the long prompts ask their prompt's top-N logprobs")
     args = parser.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="tandem-chunked-prefill-"))
     drafts = [ServiceProcess("draft_service", ["--drafter", args.drafter, "--threads", "1", "--no-prefix-caching",
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         for target in targets if drafts else []:
             target.wait_metric("tandem_drafter_connected", 1.0)
         print(f"{args.model}, 1 thread, drafter {args.drafter or 'none'}, {args.streams} streams of {args.stream_tokens} tokens, "
-              f"{args.long_prompts} prompts of {args.long_words} words {args.stagger:g} s apart, "
+              f"{args.long_prompts} prompts of {args.long_words} words {args.stagger:g} s apart"
+              f"{'' if args.prompt_logprobs is None else f' with prompt_logprobs {args.prompt_logprobs}'}, "
               f"{args.rounds} rounds (logs: {logs})")
         for r in range(args.rounds):
             for target, variant in zip(targets, variants):
