@@ -3,6 +3,8 @@
     python -m bench.chunked_prefill                  # budgets 1000000 (whole prompts), 2048, 512, 256
     python -m bench.chunked_prefill --drafter model  # each target with its own model drafter
     python -m bench.chunked_prefill --prompt-logprobs 1  # the long prompts ask their prompt's logprobs
+    python -m bench.chunked_prefill --drafter model --budgets 512 512 --draft-budgets 1000000 512
+                                                     # the drafter's own budget: whole prompts, or chunks
 
 One target per --max-num-batched-tokens value, started together and measured in turn, round by
 round, so that a drifting machine hits each alike. A round: 4 streams (short prompts, 128 tokens
@@ -36,6 +38,7 @@ STREAM_PROMPT = "Tell a long story about a lighthouse keeper and a storm."
 @dataclass(slots=True)
 class Variant:
     budget: int
+    draft_budget: int | None  # the draft service's --max-num-batched-tokens; None: no drafter
     itl: list[float] = field(default_factory=list)  # the streams' gaps between tokens
     stream_tokens: int = 0
     stream_seconds: float = 0.0
@@ -82,13 +85,14 @@ async def one_round(address: str, variant: Variant, round_index: int, args: argp
 
 
 def report(variants: list[Variant]) -> None:
-    print("| --max-num-batched-tokens | stream ITL p50 ms | p99 ms | max ms | stream tok/s (each) | stream MAL "
-          "| long TTFT p50 ms |")
+    print("| --max-num-batched-tokens (target / drafter) | stream ITL p50 ms | p99 ms | max ms | stream tok/s (each) "
+          "| stream MAL | long TTFT p50 ms |")
     print("|---|---|---|---|---|---|---|")
     for v in variants:
         p50, p99 = percentile(v.itl, 50), percentile(v.itl, 99)
         mal = "-" if v.mal is None else f"{v.mal:.2f}"
-        print(f"| {v.budget} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} | {max(v.itl) * 1e3:.1f} | "
+        budgets = f"{v.budget} / {'-' if v.draft_budget is None else v.draft_budget}"
+        print(f"| {budgets} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} | {max(v.itl) * 1e3:.1f} | "
               f"{v.stream_tokens / v.stream_seconds:.2f} | {mal} | {percentile(v.long_ttft, 50) * 1e3:.0f} |")
 
 
@@ -105,18 +109,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafter", choices=["model", "ngram", "suffix", "suffix+model"],
                         help="a draft service of this kind for each target; default: none")
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
+    parser.add_argument("--draft-budgets", type=int, nargs="+",
+                        help="each drafter's --max-num-batched-tokens, one per --budgets value; default: the same")
     parser.add_argument("--prompt-logprobs", type=int, help="the long prompts ask their prompt's top-N logprobs")
     args = parser.parse_args(argv)
+    draft_budgets = args.draft_budgets or args.budgets
+    if len(draft_budgets) != len(args.budgets):
+        parser.error("give one --draft-budgets value per --budgets value")
     logs = Path(tempfile.mkdtemp(prefix="tandem-chunked-prefill-"))
     drafts = [ServiceProcess("draft_service", ["--drafter", args.drafter, "--threads", "1", "--no-prefix-caching",
-                                               "--model", args.draft_model if "model" in args.drafter else args.model],
-                             log_path=logs / f"draft-{budget}.log").start()
-              for budget in args.budgets] if args.drafter else []
+                                               "--model", args.draft_model if "model" in args.drafter else args.model,
+                                               "--max-num-batched-tokens", str(draft_budget)],
+                             log_path=logs / f"draft-{i}.log").start()
+              for i, draft_budget in enumerate(draft_budgets)] if args.drafter else []
     targets = [ServiceProcess("target_service", ["--model", args.model, "--threads", "1", "--no-prefix-caching",
                                                  "--max-num-batched-tokens", str(budget),
                                                  *(["--drafter", drafts[i].address] if drafts else [])],
-                              log_path=logs / f"target-{budget}.log").start() for i, budget in enumerate(args.budgets)]
-    variants = [Variant(budget) for budget in args.budgets]
+                              log_path=logs / f"target-{i}.log").start() for i, budget in enumerate(args.budgets)]
+    variants = [Variant(budget, draft_budget if args.drafter else None)
+                for budget, draft_budget in zip(args.budgets, draft_budgets)]
     try:
         for service in [*drafts, *targets]:
             service.wait_healthy(300)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem_kernels.compression import DEFAULT_TOP_K, MAX_VOCAB
+from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
 from tandem.registry import DEFAULT_DRAFT_MODEL
 from tandem.runtime import resolve_dtype
@@ -30,6 +31,7 @@ class DraftConfig:
     threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
     num_slots: int = 8
     prefix_caching: bool = True  # a closed sequence's slots keep their KV for a prompt with the same first tokens
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # a round's catch-up forward at most (chunked prefill)
     max_seqs_per_target: int = 0  # 0: a target may take every slot
     max_model_len: int = 2048
     max_k: int = 8
@@ -92,6 +94,10 @@ HELP = {
     "num_slots": "KV slots: sequences drafted at once; further Opens are refused",
     "prefix_caching": "model drafters: a closed sequence's KV slots keep their KV, and a new sequence whose tokens "
                       "start the same way prefills only the rest (--no-prefix-caching: prefill every prompt whole)",
+    "max_num_batched_tokens": "model and suffix+model drafters: the tokens a round's catch-up forward runs at most "
+                              "(chunked prefill): a longer prompt is prefilled in chunks, in rounds between the "
+                              "rounds that draft the other sequences, rather than holding up their drafts for its "
+                              "whole prefill (an eagle3 head prefills whole)",
     "max_seqs_per_target": "sequences one target (one Speculate stream) may hold, so that a drafter shared by "
                            "several targets serves each; 0: no cap but --num-slots",
     "max_model_len": "the longest sequence, prompt included, that the drafter holds",
@@ -128,6 +134,7 @@ _RANGES = {
     "metrics_port": (0, 65535),
     "threads": (1, None),
     "num_slots": (1, None),
+    "max_num_batched_tokens": (MIN_PREFILL_TOKENS, None),
     "max_seqs_per_target": (0, None),
     "max_model_len": (1, None),
     "max_k": (1, None),

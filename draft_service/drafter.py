@@ -179,3 +179,7 @@ class Drafter(Protocol):
         A pre-draft job (job.is_predraft) may also be left out when the drafter has no room for it.
         stop: polled between forward passes; once it says so, return the drafts made so far (fewer
         than k each, none for a job without one yet), so that fresh work need not wait a whole round."""
+
+    def behind(self) -> list[SeqKey]:
+        """The sequences of the last draft() that it left undrafted to go on in a later round (a long
+        prompt prefilled in chunks): the scheduler drafts them again."""

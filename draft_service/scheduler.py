@@ -9,7 +9,9 @@ salvages stale drafts by base_len.
 
 Every Open and Extend gets an answer, so that the target knows it need not wait: a round's drafts,
 or an empty proposal ("nothing for this prefix") for a refused Open, an Extend of a refused
-sequence, a job over the drafter's budget, or a round that failed; or, for a sequence whose target
+sequence, a job over the drafter's budget, a round that failed, or a round that left the sequence
+behind (it prefilled only a chunk of its long prompt, or it waited while another's chunk ran: it
+is drafted again in the next round, with no update needed); or, for a sequence whose target
 keeps pre-drafts, the pre-draft already sent for exactly the tokens the Extend committed. The
 exception is a paused sequence (an Extend set its k to 0): the target will verify no drafts of its
 prefixes, so it is neither drafted nor answered until an Extend asks for drafts again.
@@ -329,6 +331,7 @@ class DraftScheduler:
                 self._deliver_predrafts(drafts, elapsed)
             else:
                 self._deliver(work.jobs, drafts, elapsed)
+                self._redraft_behind(work.jobs)
 
     async def _work(self) -> None:
         """Returns at once while there is work; otherwise waits for an update, counting the time as idle."""
@@ -389,6 +392,17 @@ class DraftScheduler:
                 proposal = draft.to_proto() if draft is not None else nothing_for(key[1], job.base_len)
                 by_stream.setdefault(key[0], []).append(proposal)
         self._send(by_stream, elapsed)
+
+    def _redraft_behind(self, jobs: list[DraftJob]) -> None:
+        """The sequences the drafter left behind (a long prompt prefilled in chunks, or one that
+        waited for such a chunk) are drafted in the next round, as if an update had come, and
+        ahead of the sequences that updates made dirty meanwhile: they waited longer."""
+        behind = set(self._drafter.behind())
+        again = {job.sequence.key: job.sequence for job in jobs
+                 if job.sequence.key in behind and not job.sequence.closed and not job.sequence.paused}
+        if again:
+            self._dirty = again | self._dirty
+            self._wake.set()
 
     def _deliver_predrafts(self, drafts: list[Proposal], elapsed: float) -> None:
         """The pre-drafts still worth sending, one DraftProposals message per stream."""

@@ -56,7 +56,8 @@ def load_drafter(config: DraftConfig) -> LoadedDrafter:
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, num_slots=config.num_slots,
                             max_model_len=config.max_model_len, drafter_target=config.drafter_target)
         drafter = ModelDrafter(loaded.model, config.probs_top_k, metrics, loaded.draft_vocab,
-                               guesses=config.predraft_guesses, prefix_caching=config.prefix_caching)
+                               guesses=config.predraft_guesses, prefix_caching=config.prefix_caching,
+                               max_num_batched_tokens=config.max_num_batched_tokens)
         if config.drafter == "suffix+model":
             drafter = SuffixFrontDrafter(suffix_drafter(config), drafter, config.suffix_confidence)
         # The model's logits width: every id it can draft.

@@ -4,11 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from target_service.drafter_addresses import DrafterAddresses
+from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, PAGE_SIZE
 from tandem.tls import ClientTls, ServerTls, read_token
-
-MIN_PREFILL_TOKENS = 16  # prompt tokens a step runs at the least, whatever the running sequences take
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # vLLM's first chunked-prefill default; on CPUs a step of 2048 prompt tokens takes seconds
 
 
 @dataclass(slots=True)

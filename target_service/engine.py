@@ -189,7 +189,7 @@ class Engine:
             if result.features is not None:
                 self.speculator.keep_features(c.seq, c.seq.prefilled, result.features)
             if result.prompt_logprobs is not None:
-                c.seq.prompt_logprobs += result.prompt_logprobs
+                c.seq.scored_prompt_logprobs += result.prompt_logprobs
             c.seq.prefilled = c.end
         prompts = [s for s, i in zip(prefills, items) if i.copy_of is None]
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in prompts))
@@ -224,8 +224,8 @@ class Engine:
             output, finish = seq.commit(result.tokens, result.num_accepted, self.scheduler.kv_cache.max_len,
                                         result.logprobs)
             if result.prompt_logprobs is not None:  # with those its earlier chunks scored
-                output = replace(output, prompt_logprobs=seq.prompt_logprobs + result.prompt_logprobs)
-                seq.prompt_logprobs = []
+                output = replace(output, prompt_logprobs=seq.scored_prompt_logprobs + result.prompt_logprobs)
+                seq.scored_prompt_logprobs = []
             outputs.append(output)
             if finish is not None:
                 self._finish(seq, finish)

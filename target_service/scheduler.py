@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from target_service.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
+from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from tandem.prefix_cache import PrefixCache
@@ -180,7 +180,7 @@ class Scheduler:
                 else:
                     reuse = not full_prefills and seq.options.prompt_logprobs is None  # else every position runs
                     seq.slot, seq.prefilled = self.prefix_cache.allocate(seq.prompt_ids, reuse)
-                    del seq.prompt_logprobs[seq.prefilled:]  # after a preemption: the positions that run again
+                    del seq.scored_prompt_logprobs[seq.prefilled:]  # after a preemption: the positions that run again
                     if seq.admitted_at is None:  # else preempted before its first token: the drafter has it
                         seq.cached_tokens = seq.prefilled
                         seq.admitted_at = time.perf_counter()

@@ -82,7 +82,7 @@ class Sequence:
     slot: int | None = None
     cached_tokens: int = 0  # prompt tokens whose KV its slot already held (prefix caching): not prefilled
     prefilled: int = 0  # before its first token: the prompt positions whose KV its slot holds (chunked prefill)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored by its prompt's earlier chunks
+    scored_prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # its prompt's earlier chunks scored these
     replay_from: int | None = None  # after a preemption: its new slot holds KV up to here, its next step runs the rest
     draft_tokens: int = 0  # usage: drafts verified
     # usage: [a] counts the steps that verified drafts and committed a of them (draft_steps, accepted_tokens)

@@ -10,6 +10,8 @@ right after an Open, the first Extend (which carries the prompt's features) has 
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from draft_service.drafter import DraftJob
@@ -25,13 +27,16 @@ class Eagle3Drafter(ModelDrafter):
 
     def __init__(self, model: Eagle3Model, probs_top_k: int, metrics: DraftMetrics, guesses: int = 1,
                  prefix_caching: bool = True):
-        super().__init__(model, probs_top_k, metrics, model.draft_vocab.cpu(), guesses, prefix_caching)
+        # One layer: its whole prefill is quick, and each catch-up's start depends on the features it
+        # loads first, so it runs whole (no chunked prefill).
+        super().__init__(model, probs_top_k, metrics, model.draft_vocab.cpu(), guesses, prefix_caching,
+                         max_num_batched_tokens=sys.maxsize)
         self.feature_layout = FeatureLayout(model.eagle.feature_layers, model.eagle.target_hidden_size)
 
     def _rows(self, jobs: list[DraftJob]) -> list[Row]:
         return super()._rows([job for job in jobs if _features_ready(job)])
 
-    def _catch_up(self, rows: list[Row]) -> torch.Tensor:
+    def _catch_up(self, rows: list[Row], ends: list[int]) -> tuple[list[Row], torch.Tensor]:
         cache = self.model.kv_cache
         for row in rows:
             features, slot, state = row.job.sequence.features, row.state.slot, row.state
@@ -40,7 +45,7 @@ class Eagle3Drafter(ModelDrafter):
             # Also when there is nothing new: a slot taken over from another sequence forgets its features.
             self.model.load_features(slot, reload_from, features.rows[reload_from:known])
             state.cached = state.cached[: cache.exact_rows[slot]]
-        return super()._catch_up(rows)
+        return super()._catch_up(rows, ends)
 
 
 def _features_ready(job: DraftJob) -> bool:

@@ -2,7 +2,10 @@
 
 A round per batch: a catch-up forward feeds each job's tokens that its KV slot lacks (a whole
 prompt after Open, a few tokens after Extend) and gives the logits for d1; then d1..d(k-1) are
-fed one position at a time. A sequence's own slot keeps d1..d(k-1), so when the target commits
+fed one position at a time. The catch-up forward runs at most max_num_batched_tokens tokens
+(chunked prefill): a long prompt that does not fit runs in chunks, in rounds of their own between
+the rounds that draft the others, and is drafted once caught up (`behind`), so that it holds up
+no other sequence's drafts for its whole prefill. A sequence's own slot keeps d1..d(k-1), so when the target commits
 tokens equal to those drafts, the next catch-up starts after them: accepted drafts cost no
 recompute. A rollback is a catch-up from an earlier position.
 
@@ -31,7 +34,7 @@ from tandem_kernels.bitmask import allowed_tokens
 from tandem_kernels.compression import CompressedProbs, encode, point_mass, sample_compressed
 from tandem_kernels.logits_processors import process_logits
 from tandem_kernels.sampling import Sampling, probs_of, sample
-from tandem.model.batch import SequenceChunk
+from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS, SequenceChunk
 from tandem.model.llama import LlamaModel
 from tandem.structured import TokenMasker
 from tandem.structured.grammar import Matcher
@@ -188,10 +191,15 @@ class ModelDrafter:
     feature_layout = None  # it reads no target features
 
     def __init__(self, model: LlamaModel, probs_top_k: int, metrics: DraftMetrics,
-                 draft_vocab: torch.Tensor | None = None, guesses: int = 1, prefix_caching: bool = True):
+                 draft_vocab: torch.Tensor | None = None, guesses: int = 1, prefix_caching: bool = True,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
         """guesses: the recovered-token guesses each draft carries, for pre-drafting; prefix_caching:
-        a closed sequence's slots keep their KV for a new one with the same first tokens."""
+        a closed sequence's slots keep their KV for a new one with the same first tokens;
+        max_num_batched_tokens: the tokens a round's catch-up forward runs at most."""
         self.model = model
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._behind: list[SeqKey] = []  # the last round's sequences whose catch-up did not end
+        self._chunk_next = False  # the last round drafted while a long catch-up waited: the next runs its chunk
         self.guesses = guesses
         vocab_size = model.config.vocab_size
         self.draft_vocab = None if draft_vocab is None else DraftVocab.of(draft_vocab, vocab_size)
@@ -210,6 +218,11 @@ class ModelDrafter:
     def settle(self, key: SeqKey, committed: list[int]) -> None:
         self.metrics.reused_tokens.inc(self.slots.settle(key, committed))
 
+    def behind(self) -> list[SeqKey]:
+        """The sequences whose catch-up the last round ran in part or not at all: nothing was drafted
+        for them, and their next round goes on from where their slot's KV ends."""
+        return self._behind
+
     def budget(self, job: DraftJob) -> int:
         """Draft tokens for this job: k, fewer when the slot would overflow (its KV ends at base_len + k - 2)."""
         return min(job.sequence.k, self.model.max_len + 1 - job.base_len)
@@ -217,9 +230,12 @@ class ModelDrafter:
     @torch.inference_mode()
     def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Proposal]:
         rows = self._rows(jobs)
+        ends = self._catch_up_ends(rows)
+        behind = [row.job.sequence.key for row, end in zip(rows, ends) if end < len(row.job.tokens)]
+        rows, logits = self._catch_up(rows, ends)  # logits [B, V] for the rows that caught up
+        self._behind = behind
         if not rows:
             return []
-        logits = self._catch_up(rows)  # [B, V]
         active = rows
         while True:
             self._advance(active, logits)
@@ -335,27 +351,78 @@ class ModelDrafter:
         for (i, _, _), alive in zip(ruled, torch.isfinite(logits[index]).any(dim=1).tolist()):
             rows[i].blocked |= not alive
 
-    def _catch_up(self, rows: list[Row]) -> torch.Tensor:
-        """Feed each job's tokens that its slot lacks; logits [B, V] at each last position."""
-        chunks = []
+    def _catch_up_start(self, row: Row) -> int:
+        """Where the row's catch-up starts: after the tokens its slot holds, at its last token at the latest
+        (its logits give the next one)."""
+        state, tokens = row.state, row.job.tokens
+        return min(common_prefix_len(state.cached, tokens, likely=state.committed_len), len(tokens) - 1)
+
+    def _catch_up_ends(self, rows: list[Row]) -> list[int]:
+        """Where each row's catch-up ends this round. The shortest go first, whole while they fit in
+        max_num_batched_tokens; pre-drafts, a few tokens, always run whole. When the rest do not fit
+        (a long prompt), rounds take turns: one drafts the rows that fit while the others wait; the
+        next runs only those others, the furthest prefilled first (then in the round's order, where
+        those left behind come first), whole while they fit and the last in part, and the rows that
+        fit wait for the round after. So no draft waits for a chunk's forward, and a prompt once
+        begun goes on until it is done; with nothing else to draft, every round runs chunks."""
+        starts = [self._catch_up_start(row) for row in rows]
+        ends = [len(row.job.tokens) for row in rows]
+        room = self.max_num_batched_tokens - sum(e - s for row, s, e in zip(rows, starts, ends) if row.job.is_predraft)
+        left, fit, long = room, [], []
+        for b in sorted((b for b, row in enumerate(rows) if not row.job.is_predraft), key=lambda b: ends[b] - starts[b]):
+            if not long and ends[b] - starts[b] <= left:
+                fit.append(b)
+                left -= ends[b] - starts[b]
+            else:
+                long.append(b)
+        if not long:
+            return ends
+        chunk_turn = self._chunk_next or not fit
+        self._chunk_next = not chunk_turn
+        if not chunk_turn:
+            for b in long:
+                ends[b] = starts[b]
+            return ends
+        for b in fit:
+            ends[b] = starts[b]
+        left = max(room, MIN_PREFILL_TOKENS)  # the first always makes progress
+        for b in sorted(long, key=lambda b: (-starts[b], b)):
+            take = min(ends[b] - starts[b], left) if left >= MIN_PREFILL_TOKENS else 0
+            ends[b] = starts[b] + take
+            left -= take
+        return ends
+
+    def _catch_up(self, rows: list[Row], ends: list[int]) -> tuple[list[Row], torch.Tensor]:
+        """Feed each row's tokens that its slot lacks, up to its end this round; returns the rows
+        that caught up, with logits [B, V] at each one's last position (the others' go unread)."""
+        caught_up, finishing, partial, ran = [], [], [], []
         prefills = False
-        for row in rows:
+        for row, end in zip(rows, ends):
             state, job = row.state, row.job
-            # At least the last token is fed again: its logits give the next one.
-            start = min(common_prefix_len(state.cached, job.tokens, likely=state.committed_len), len(job.tokens) - 1)
+            start = self._catch_up_start(row)
+            if end == start:  # waits for a later round
+                continue
             if not job.is_predraft:  # a pre-draft's assumed tokens are not committed ones
                 self._count_reuse(job, state, start)
-                prefills |= state.committed_len == 0
+                prefills |= start < job.sequence.prompt_len
             state.cached = job.tokens[:start]  # until the forward has written the rest
-            chunks.append(SequenceChunk(state.slot, start, job.tokens[start:]))
+            ran.append((row, end))
+            if end == len(job.tokens):
+                caught_up.append(row)
+                finishing.append(SequenceChunk(state.slot, start, job.tokens[start:end]))
+            else:
+                partial.append(SequenceChunk(state.slot, start, job.tokens[start:end]))
+        if not ran:
+            return [], torch.empty(0)
         began = time.perf_counter()
-        logits = self.model.run(chunks)
+        logits = self.model.run(finishing + partial)[:len(finishing)]  # [B, V]; the partial rows go unread
         if prefills:
             self.metrics.prefill_duration.observe(time.perf_counter() - began)
-        for row in rows:
-            row.state.cached = list(row.job.tokens)
-            row.state.committed_len = row.job.known_len
-        return logits
+        for row, end in ran:
+            row.state.cached = row.job.tokens[:end]
+            # A part's end is committed, with nothing drafted past it: the next round's reuse counts from there.
+            row.state.committed_len = row.job.known_len if end == len(row.job.tokens) else end
+        return caught_up, logits
 
     def _count_reuse(self, job: DraftJob, state: SlotState, start: int) -> None:
         """KV not recomputed: on a sequence's first catch-up (nothing committed yet) what the prefix cache

@@ -59,6 +59,9 @@ class NgramDrafter:
     def settle(self, key: SeqKey, committed: list[int]) -> None:
         pass
 
+    def behind(self) -> list[SeqKey]:
+        return []
+
     def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Proposal]:
         """Lookups are instant: `stop` is never needed."""
         drafts = []

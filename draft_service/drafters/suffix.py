@@ -59,6 +59,9 @@ class SuffixDrafter:
     def settle(self, key: SeqKey, committed: list[int]) -> None:
         self._sync(key, committed)
 
+    def behind(self) -> list[SeqKey]:
+        return []
+
     def _sync(self, key: SeqKey, committed: list[int]) -> SuffixIndex:
         """The sequence's index, holding exactly `committed` (rebuilt if the tokens were replaced)."""
         local = self._local.get(key)
@@ -134,6 +137,9 @@ class SuffixFrontDrafter:
     def settle(self, key: SeqKey, committed: list[int]) -> None:
         self.suffix.settle(key, committed)
         self.model.settle(key, committed)
+
+    def behind(self) -> list[SeqKey]:
+        return self.model.behind()
 
     def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Proposal]:
         drafts, for_model = [], []

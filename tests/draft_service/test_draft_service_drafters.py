@@ -277,3 +277,49 @@ def test_a_next_turn_drafts_from_the_kv_its_last_turn_left_as_a_whole_prefill_do
     sent = [again[d].to_proto() for d in (cached, whole)]
     assert sent[0].probs == sent[1].probs and sent[0].probs_top_k == sent[1].probs_top_k
     assert _prefix_hits(cached) == len(turn) and _prefix_hits(whole) == 0
+
+
+def _prefix_queries(drafter) -> float:
+    return drafter.metrics.registry.get_sample_value("tandem_draft_prefix_cache_queries_total",
+                                                     {"model": "tiny", "service": "draft"})
+
+
+@pytest.mark.parametrize("mode", [Sampling(), SAMPLED], ids=["greedy", "sampled"])
+def test_a_long_prompt_is_prefilled_in_chunks_in_rounds_between_the_short_ones(mode):
+    """A catch-up budget of 16, a 40-token prompt beside a 5-token one: the first round drafts the
+    short one while the long one waits; the next runs a 16-token chunk of the long one alone (the
+    short one waits, left behind too); the next drafts the short one again; then chunks of 16 and
+    8, the last of which drafts. The long prompt's drafts and q' are those of a drafter that
+    prefills it whole, and its tokens are looked up once."""
+    chunked, whole = (ModelDrafter(tiny_draft_model(), TOP_K, DraftMetrics("tiny"), max_num_batched_tokens=budget)
+                      for budget in (16, 512))
+    long_prompt, short_prompt = _prompt(40, 21), _prompt(5, 22)
+    long, short = _open(chunked, 1, long_prompt, sampling=mode), _open(chunked, 2, short_prompt, sampling=mode)
+    drafted, behind, held = [], [], []
+    for with_short in (True, True, True, False, False):
+        jobs = [DraftJob(long, list(long_prompt))] + ([DraftJob(short, list(short_prompt))] if with_short else [])
+        drafted.append([d.key for d in chunked.draft(jobs)])
+        behind.append(chunked.behind())
+        held.append(len(chunked.slots.own(long.key).cached))
+    assert drafted == [[short.key], [], [short.key], [], [long.key]]
+    assert behind == [[long.key], [long.key, short.key], [long.key], [long.key], []]
+    assert held == [0, 16, 16, 32, 40 + 3]  # the last round also feeds d1..d3
+    draft = chunked.draft([DraftJob(long, list(long_prompt))])[0]
+    expected = _draft_one(whole, _open(whole, 1, long_prompt, sampling=mode))
+    assert draft.token_ids == expected.token_ids and draft.to_proto().probs == expected.to_proto().probs
+    assert _prefix_queries(chunked) == len(long_prompt) + len(short_prompt)
+
+
+def test_a_prompt_once_begun_is_prefilled_to_its_end_before_the_next_begins():
+    """A catch-up budget of 16 and two long prompts, 40 and 24 tokens: the first runs 16, 16, then
+    its last 8 (and drafts), while the second waits, though it is shorter; the 8 left over are
+    too few for a chunk. Then the second runs 16 and 8."""
+    drafter = ModelDrafter(tiny_draft_model(), TOP_K, DraftMetrics("tiny"), max_num_batched_tokens=16)
+    first, second = _open(drafter, 1, _prompt(40, 31)), _open(drafter, 2, _prompt(24, 32))
+    drafted, held = [], []
+    for _ in range(5):
+        jobs = [DraftJob(s, list(s.tokens)) for s in (first, second) if s.key not in sum(drafted, [])]
+        drafted.append([d.key for d in drafter.draft(jobs)])
+        held.append([len(drafter.slots.own(s.key).cached) for s in (first, second)])
+    assert drafted == [[], [], [first.key], [], [second.key]]
+    assert held == [[16, 0], [32, 0], [40 + 3, 0], [43, 16], [43, 24 + 3]]  # a drafting round feeds d1..d3 too

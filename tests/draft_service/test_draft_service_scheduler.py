@@ -1,15 +1,19 @@
-"""The drafting loop in-process, with the n-gram drafter: coalescing, closes."""
+"""The drafting loop in-process, with the n-gram drafter (coalescing, closes) and a tiny model drafter (chunked prefill)."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+import torch
 
 from draft_service.metrics import DraftMetrics
+from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.scheduler import Limits
+from tandem.generate import greedy_generate
 from tandem.v1 import drafter_pb2 as pb
 from tests.support.draft_schedulers import running_scheduler
+from tests.support.tiny_drafter import MAX_LEN, VOCAB, tiny_draft_model
 
 LIMITS = Limits(vocab_size=100, max_model_len=64, max_k=4, num_slots=2)
 PROMPT = [1, 2, 3, 4, 1, 2]
@@ -99,3 +103,21 @@ async def test_a_refused_open_and_its_extends_are_answered_at_once(scheduler):
         assert (refused.seq_id, refused.base_len, list(refused.token_ids)) == (3, base_len, [])
     drafted = (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
     assert sorted(p.seq_id for p in drafted) == [1, 2]
+
+
+async def test_a_long_prompt_prefilled_in_chunks_is_drafted_with_no_further_update():
+    """A model drafter with a catch-up budget of 16: an Open of 40 tokens is answered with nothing
+    for each round that prefills a chunk of it, and the scheduler runs those rounds on its own, so
+    that the drafts for its prefix follow once its slot has caught up."""
+    drafter = ModelDrafter(tiny_draft_model(), 8, DraftMetrics("tiny"), max_num_batched_tokens=16)
+    limits = Limits(vocab_size=VOCAB, max_model_len=MAX_LEN, max_k=4, num_slots=4)
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    async with running_scheduler(drafter, DraftMetrics("tiny"), limits) as scheduler:
+        stream = scheduler.open_stream()
+        scheduler.apply(stream, _update(opens=[(1, prompt)]))
+        proposals = []
+        while not proposals or not proposals[-1].token_ids:
+            [proposal] = (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
+            proposals.append(proposal)
+    assert [(p.seq_id, p.base_len, len(p.token_ids)) for p in proposals] == [(1, 40, 0)] * 2 + [(1, 40, 4)]
+    assert list(proposals[-1].token_ids) == greedy_generate(tiny_draft_model(), prompt, 4)
