@@ -46,6 +46,9 @@ from tandem.structured import TokenMasker
 from tandem.structured.grammar import Matcher
 
 
+# What turns a prefill's rows (final hidden states) into logits; None: the rows are logits already.
+ToLogits = Callable[[torch.Tensor], torch.Tensor] | None
+
 @dataclass(frozen=True, slots=True)
 class PrefillItem:
     slot: int
@@ -193,8 +196,7 @@ class ModelRunner:
                                for token, rows, prompt in zip(tokens, features, prompt_logprobs)], raw) + part_results
 
     def _prefill_forward(self, chunks: list[SequenceChunk], capture: tuple[int, ...],
-                         scoring: list[PrefillItem | PromptPart]
-                         ) -> tuple[torch.Tensor, list[torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor] | None]:
+                         scoring: list[PrefillItem | PromptPart]) -> tuple[torch.Tensor, list[torch.Tensor | None], ToLogits]:
         """The chunks' rows, their features, and what turns the rows into logits: None when they
         are logits already; the final norm and LM head when some prompt's logprobs are asked (and no
         features), so that a long prompt's rows become logits a slice at a time."""
@@ -354,20 +356,21 @@ def _process_logits(logits: torch.Tensor, items: list[tuple[int, PrefillItem | V
 
 
 def _prompt_logprobs(rows: torch.Tensor, runs: list[PrefillItem] | list[PromptPart],
-                     to_logits: Callable[[torch.Tensor], torch.Tensor] | None) -> list[list[TokenLogprob] | None]:
+                     to_logits: ToLogits) -> list[list[TokenLogprob] | None]:
     """From rows [sum(num_logits), ...] (logits, or what to_logits turns into logits), the logprobs
     of the prompt tokens each run scores, for those that asked (row j scores the token after it)."""
     prompts: list[list[TokenLogprob] | None] = []
     start = 0
     for run in runs:
+        scored = rows[start:start + len(run.scored)]
         prompts.append(None if run.prompt_logprobs is None else
-                       sequence_logprobs(rows[start:start + len(run.scored)], run.scored, run.prompt_logprobs, to_logits))
+                       sequence_logprobs(scored, run.scored, run.prompt_logprobs, to_logits))
         start += run.num_logits
     return prompts
 
 
 def _last_rows(rows: torch.Tensor, items: list[PrefillItem],
-               to_logits: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+               to_logits: ToLogits) -> torch.Tensor:
     """Each item's last row of logits [B, vocab], from which its first token is sampled."""
     last = rows
     if any(i.num_logits > 1 for i in items):

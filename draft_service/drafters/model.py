@@ -2,12 +2,14 @@
 
 A round per batch: a catch-up forward feeds each job's tokens that its KV slot lacks (a whole
 prompt after Open, a few tokens after Extend) and gives the logits for d1; then d1..d(k-1) are
-fed one position at a time. The catch-up forward runs at most max_num_batched_tokens tokens
-(chunked prefill): a long prompt that does not fit runs in chunks, in rounds of their own between
-the rounds that draft the others, and is drafted once caught up (`behind`), so that it holds up
-no other sequence's drafts for its whole prefill. A sequence's own slot keeps d1..d(k-1), so when the target commits
+fed one position at a time. A sequence's own slot keeps d1..d(k-1), so when the target commits
 tokens equal to those drafts, the next catch-up starts after them: accepted drafts cost no
 recompute. A rollback is a catch-up from an earlier position.
+
+Chunked prefill: the catch-up forward runs at most max_num_batched_tokens tokens. A long prompt
+that does not fit runs in chunks, in rounds of their own between the rounds that draft the
+others, and is drafted once caught up (`behind`), so that it holds up no other sequence's drafts
+for its whole prefill.
 
 Structured output: a constrained job's row carries a cursor of its grammar (draft_service/grammars.py), and its
 logits are masked before each token is drawn, so its drafts, guesses and q follow the grammar;
@@ -369,7 +371,8 @@ class ModelDrafter:
         ends = [len(row.job.tokens) for row in rows]
         room = self.max_num_batched_tokens - sum(e - s for row, s, e in zip(rows, starts, ends) if row.job.is_predraft)
         left, fit, long = room, [], []
-        for b in sorted((b for b, row in enumerate(rows) if not row.job.is_predraft), key=lambda b: ends[b] - starts[b]):
+        fresh = [b for b, row in enumerate(rows) if not row.job.is_predraft]
+        for b in sorted(fresh, key=lambda b: ends[b] - starts[b]):
             if not long and ends[b] - starts[b] <= left:
                 fit.append(b)
                 left -= ends[b] - starts[b]

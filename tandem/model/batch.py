@@ -8,8 +8,9 @@ import torch
 from tandem.model.kv_cache import KVCache
 
 # Chunked prefill, on both services: the tokens one step (a target step, a drafter's catch-up
-# forward) runs at most by default, and the prompt tokens it runs at the least.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # vLLM's first chunked-prefill default; on CPUs a step of 2048 prompt tokens takes seconds
+# forward) runs at most by default, and the prompt tokens it runs at the least. 512 is vLLM's
+# first chunked-prefill default; on CPUs a step of 2048 prompt tokens takes seconds.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 MIN_PREFILL_TOKENS = 16
 
 

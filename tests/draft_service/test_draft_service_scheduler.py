@@ -1,4 +1,5 @@
-"""The drafting loop in-process, with the n-gram drafter (coalescing, closes) and a tiny model drafter (chunked prefill)."""
+"""The drafting loop in-process: coalescing and closes with the n-gram drafter, chunked prefill
+with a tiny model drafter."""
 from __future__ import annotations
 
 import asyncio
