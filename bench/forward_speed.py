@@ -1,12 +1,13 @@
-"""Milliseconds per forward: the native CPU decoder against the PyTorch decoder, in one run.
+"""Milliseconds per forward of decode and verify steps: what verifying k drafts costs, in decode steps.
 
-    python bench/forward_speed.py [--threads 1,2] [--rounds 5] [--context 128] [--random]
+    python -m bench.forward_speed [--threads 1,2] [--rounds 5] [--context 128] [--max-k 8] [--torch]
 
-Four steps, each against a KV cache already holding `--context` tokens per sequence: decode
-(1 sequence, 1 token), verify (1 sequence, k+1 = 5 tokens, 5 logits), batch-8 decode (8
-sequences, 1 token each) and batch-8 verify. The PyTorch decoder runs on the first thread count,
-the native one on each. The variants run interleaved, round after round, and the table shows each
-one's median, the speed-up of each native column over PyTorch, and verify / decode per column.
+Against a KV cache already holding `--context` tokens per sequence, batch 1 and batch 8: a decode
+(1 token per sequence) and a verify of k drafts (k + 1 tokens and logits per sequence) for k = 1 ..
+--max-k, on the native decoder at each thread count (and, with --torch, the PyTorch decoder at the
+first). The variants run interleaved, round after round; the tables show each one's median, and
+verify / decode: the number of decode steps a verify costs, which is what decides how many drafts
+pay (a verify of k drafts adds 1 + alpha + ... + alpha^k tokens for that cost).
 """
 from __future__ import annotations
 
@@ -37,14 +38,14 @@ def load_weights(model_name: str, random: bool) -> tuple[ModelConfig, ModelWeigh
     return load_checkpoint(resolve_model_path(model_name))
 
 
-def steps(context: int) -> dict[str, list[SequenceChunk]]:
-    token = [1000]
-    return {
-        "decode M=1": [SequenceChunk(0, context, token)],
-        "verify k+1=5": [SequenceChunk(0, context, list(range(1000, 1005)), num_logits=5)],
-        "batch-8 decode": [SequenceChunk(slot, context, token) for slot in range(8)],
-        "batch-8 verify": [SequenceChunk(slot, context, list(range(1000, 1005)), num_logits=5) for slot in range(8)],
-    }
+def steps(context: int, max_k: int) -> dict[tuple[int, int], list[SequenceChunk]]:
+    """(batch, k) -> the chunks of that step; k = 0 is a decode."""
+    cases = {}
+    for batch in (1, 8):
+        for k in range(max_k + 1):
+            tokens = list(range(1000, 1001 + k))
+            cases[batch, k] = [SequenceChunk(slot, context, tokens, num_logits=k + 1) for slot in range(batch)]
+    return cases
 
 
 def prefilled(config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, backend: Backend,
@@ -67,38 +68,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--random", action="store_true", help="random weights of the model's shape")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="bfloat16")
     parser.add_argument("--threads", default="1", help="comma-separated thread counts for the native decoder")
+    parser.add_argument("--torch", action="store_true", help="the PyTorch decoder too, at the first thread count")
     parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--max-k", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3, help="forwards per timing")
     args = parser.parse_args()
     thread_counts = [int(n) for n in args.threads.split(",")]
     config, weights = load_weights(args.model, args.random)
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
-    models = {(d, b): prefilled(config, weights, d, b, args.context) for d in dtypes for b in ("torch", "native")}
-    variants = [("torch", thread_counts[0])] + [("native", n) for n in thread_counts]
-    cases = steps(args.context)
-    times: dict[tuple, list[float]] = {(s, d, v): [] for s in cases for d in dtypes for v in variants}
+    variants = ([("torch", thread_counts[0])] if args.torch else []) + [("native", n) for n in thread_counts]
+    backends = sorted({backend for backend, _ in variants})
+    models = {(d, b): prefilled(config, weights, d, b, args.context) for d in dtypes for b in backends}
+    cases = steps(args.context, args.max_k)
+    times: dict[tuple, list[float]] = {(c, d, v): [] for c in cases for d in dtypes for v in variants}
     for _ in range(args.rounds):
-        for (step, dtype, (backend, threads)), samples in times.items():
+        for (case, dtype, (backend, threads)), samples in times.items():
             torch.set_num_threads(threads)
-            model, chunks = models[dtype, backend], cases[step]
+            model, chunks = models[dtype, backend], cases[case]
             model.run(chunks)  # untimed: the first forward after another variant's pays for its misses
             samples.append(time_ms(lambda: model.run(chunks), args.repeats))
     medians = {key: statistics.median(samples) for key, samples in times.items()}
     names = [f"{backend}@{threads}" for backend, threads in variants]
     print(f"model={args.model} context={args.context} rounds={args.rounds} repeats={args.repeats}  "
-          f"(median ms per forward; xN: PyTorch / column)")
-    print(f"{'step':16}{'dtype':10}" + "".join(f"{name:>18}" for name in names))
-    for step in cases:
-        for dtype in dtypes:
-            base = medians[step, dtype, variants[0]]
-            cells = [f"{medians[step, dtype, v]:8.1f} (x{base / medians[step, dtype, v]:4.2f})" for v in variants]
-            print(f"{step:16}{str(dtype).removeprefix('torch.'):10}" + "".join(f"{c:>18}" for c in cells))
+          f"(median ms per forward; xN: verify / decode of the same batch and variant)")
     for dtype in dtypes:
-        ratios = [medians["verify k+1=5", dtype, v] / medians["decode M=1", dtype, v] for v in variants]
-        print(f"{'verify/decode':16}{str(dtype).removeprefix('torch.'):10}" + "".join(f"{r:18.2f}" for r in ratios))
+        for batch in (1, 8):
+            print(f"\n{str(dtype).removeprefix('torch.')}, batch {batch}")
+            print(f"{'step':12}" + "".join(f"{name:>18}" for name in names))
+            for k in range(args.max_k + 1):
+                label = "decode" if k == 0 else f"verify k={k}"
+                cells = [f"{medians[(batch, k), dtype, v]:8.1f} "
+                         f"(x{medians[(batch, k), dtype, v] / medians[(batch, 0), dtype, v]:4.2f})" for v in variants]
+                print(f"{label:12}" + "".join(f"{c:>18}" for c in cells))
 
 
 if __name__ == "__main__":

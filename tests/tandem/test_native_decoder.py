@@ -129,6 +129,27 @@ def test_gemm_matches_f_linear(isa, dtype, rows, out_features, in_features):
     assert torch.equal(got[:, out_features:], torch.zeros_like(got[:, out_features:]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_rows_do_not_depend_on_how_many_share_the_call(isa, dtype):
+    """Bit for bit, every row count from a decode's 1 to past two blocks of widened rows (the
+    AVX2 bf16 path widens x ten rows at a time and tiles them by five), and at 1 and 3 threads."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(112, 192, generator=gen).to(dtype)  # 7 panels: two-panel tiles and a lone one
+    x = torch.randn(23, 192, generator=gen).to(dtype)
+    packed = native.pack(weight)  # the matrix points into it: keep it alive
+    matrix = native.packed_matrix(packed, 112)
+    alone = torch.cat([isa.gemm(x[i:i + 1].contiguous(), matrix, dtype == torch.bfloat16) for i in range(23)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            for rows in range(1, 24):
+                got = isa.gemm(x[:rows].contiguous(), matrix, dtype == torch.bfloat16)
+                assert torch.equal(got, alone[:rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_cpu_without_the_instructions_gets_no_build(monkeypatch):
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
     native.load.cache_clear()
