@@ -14,6 +14,9 @@ COUNTERS = {
     "rejected_proposals": "tandem_draft_rejected_proposals_total",
     "draft_rtt_sum": "tandem_draft_rtt_seconds_sum",
     "draft_rtt_count": "tandem_draft_rtt_seconds_count",
+    "draft_wait_sum": "tandem_draft_wait_seconds_sum",
+    **{f"guard_{outcome}": ("tandem_spec_decode_tokens_vs_alone_total", {"outcome": outcome})
+       for outcome in ("gained", "lost")},
     "server_ttft_sum": "tandem_time_to_first_token_seconds_sum",
     "server_ttft_count": "tandem_time_to_first_token_seconds_count",
     **{f"step_{kind}_{part}": (f"tandem_step_duration_seconds_{part}", {"kind": kind})

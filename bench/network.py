@@ -1,0 +1,299 @@
+"""The pair against the target alone across a network we set: loopback, then round trips of 0 to 40 ms.
+
+    python -m bench.network [--rtts loopback,0,1,4,10,40] [--drafters model,suffix+model]
+                            [--kinds chat,rewrite] [--num-prompts 8] [--concurrency 1,8]
+                            [--max-tokens 128] [--jitter-ms 0] [--out bench/results/network]
+
+One phase per link: the draft service of each drafter, a delay proxy (bench/delay_proxy.py) in
+front of it at that round trip (none for `loopback`), and a target whose --drafter is the proxy;
+and the target alone (no drafter), all started afresh for the phase. Every configuration is up at once, each
+with one thread, and each group of requests (one prompt, or --concurrency of them at once) goes to
+every configuration in turn, the order rotating from group to group, so that the machine's drift
+falls on all alike. Greedy, so a pair's outputs must equal the target alone's.
+
+Per phase, kind, concurrency and configuration it reports: tokens/s and its ratio to the target
+alone of the same phase, MAL (tokens per verify step with drafts), TTFT p50 and its ratio, the
+mean draft round trip the target measured, time waited for drafts per decode step, the shares of
+steps that missed drafts or salvaged stale ones, dropped stale proposals, the tokens the speed
+guard counted as gained less those lost against the target alone, how many outputs equal
+the target alone's, and the CPU seconds of each process over the phase. Writes a markdown table,
+a JSON file and a plot of tokens/s / alone against round trip.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from bench.delay_proxy import ProxyProcess
+from bench.load import build_request
+from bench.prompt_set import Prompt, load_prompts
+from bench.scrape import counters, delta
+from tandem.client import generate
+from tandem.launch import ServiceProcess
+from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from tandem.v1 import generation_pb2_grpc
+
+ALONE = "alone"
+LOOPBACK = "loopback"
+WARM_PROMPTS = 2  # per kind, before a phase's measured requests: not measured
+
+@dataclass
+class Service:
+    """One configuration: a target, and for a pair its draft service and proxy."""
+
+    name: str
+    target: ServiceProcess
+    draft: ServiceProcess | None = None
+    proxy: ProxyProcess | None = None
+
+    def processes(self) -> dict[str, object]:
+        found = {"target": self.target.process, "draft": self.draft and self.draft.process,
+                 "proxy": self.proxy and self.proxy.process}
+        return {role: p for role, p in found.items() if p is not None}
+
+    def stop(self) -> None:
+        self.target.terminate(10)
+        if self.proxy is not None:
+            self.proxy.terminate()
+        if self.draft is not None:
+            self.draft.terminate(10)
+
+
+@dataclass
+class Cell:
+    """What one configuration did on one (phase, kind, concurrency)."""
+
+    phase: str
+    kind: str
+    concurrency: int
+    config: str
+    tokens: int = 0
+    seconds: float = 0.0
+    ttfts: list[float] = field(default_factory=list)
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # by prompt id
+    counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a live process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_group(address: str, prompts: list[Prompt], max_tokens: int) -> tuple[float, list]:
+    """Sends the prompts at once on one channel; the wall time of the group, and each result."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        requests = [build_request(p, i, 0.0, max_tokens, None, 0) for i, p in enumerate(prompts)]
+        began = time.perf_counter()
+        results = await asyncio.gather(*(generate(stub, r, timeout=600) for r in requests))
+        return time.perf_counter() - began, results
+
+
+def groups(prompts: list[Prompt], concurrency: int) -> list[list[Prompt]]:
+    """One prompt at a time, or windows of `concurrency` prompts (wrapping around), covering each once."""
+    if concurrency == 1:
+        return [[p] for p in prompts]
+    count = max(1, round(len(prompts) / concurrency))
+    return [[prompts[(g * concurrency + i) % len(prompts)] for i in range(concurrency)] for g in range(count)]
+
+
+def start_pair(drafter: str, link: str, args: argparse.Namespace, logs: Path) -> Service:
+    tag = f"{drafter}-{link}".replace("+", "_")
+    draft_model = args.draft_model if "model" in drafter else args.model  # lookup drafters load its tokenizer
+    draft = ServiceProcess("draft_service", ["--model", draft_model, "--drafter", drafter, "--threads", "1"],
+                           log_path=logs / f"draft-{tag}.log").start()
+    proxy = None
+    address = draft.address
+    if link != LOOPBACK:
+        proxy = ProxyProcess(draft.address, float(link) / 2, args.jitter_ms, log_path=logs / f"proxy-{tag}.log").start()
+        address = proxy.address
+    target = ServiceProcess("target_service", ["--model", args.model, "--threads", "1", "--drafter", address],
+                            log_path=logs / f"target-{tag}.log").start()
+    return Service(drafter, target, draft, proxy)
+
+
+def start_alone(link: str, args: argparse.Namespace, logs: Path) -> Service:
+    return Service(ALONE, ServiceProcess("target_service", ["--model", args.model, "--threads", "1"],
+                                         log_path=logs / f"target-alone-{link}.log").start())
+
+
+def run_phase(link: str, args: argparse.Namespace, prompts: dict[str, list[Prompt]],
+              warm: dict[str, list[Prompt]], logs: Path) -> tuple[list[Cell], dict[str, dict[str, float]]]:
+    """Every configuration started afresh (no prefix cached from an earlier phase), then driven in turn."""
+    services = [start_alone(link, args, logs), *(start_pair(drafter, link, args, logs) for drafter in args.drafters)]
+    pairs = services[1:]
+    try:
+        for service in services:
+            service.target.wait_healthy(300)
+        for pair in pairs:
+            pair.draft.wait_healthy(300)
+            pair.target.wait_metric("tandem_drafter_connected", 1.0)
+        for service in services:
+            for kind in args.kinds:
+                asyncio.run(run_group(service.target.address, warm[kind], 32))
+        cpu_before = {(s.name, role): cpu_seconds(p.pid) for s in services for role, p in s.processes().items()}
+        cells = []
+        for kind in args.kinds:
+            for concurrency in args.concurrency:
+                cells += drive(link, kind, concurrency, services, groups(prompts[kind], concurrency), args.max_tokens)
+        cpu = {s.name: {role: cpu_seconds(p.pid) - cpu_before[s.name, role] for role, p in s.processes().items()}
+               for s in services}
+        return cells, cpu
+    finally:
+        for service in services:
+            service.stop()
+
+
+def drive(link: str, kind: str, concurrency: int, services: list[Service], batches: list[list[Prompt]],
+          max_tokens: int) -> list[Cell]:
+    """Each group to every configuration in turn, the order rotating from group to group."""
+    cells = {s.name: Cell(link, kind, concurrency, s.name) for s in services}
+    for g, batch in enumerate(batches):
+        order = services[g % len(services):] + services[:g % len(services)]
+        for service in order:
+            cell = cells[service.name]
+            before = counters(service.target.metrics_url)
+            seconds, results = asyncio.run(run_group(service.target.address, batch, max_tokens))
+            after = counters(service.target.metrics_url)
+            cell.seconds += seconds
+            cell.tokens += sum(len(r.token_ids) for r in results)
+            cell.ttfts += [r.ttft for r in results]
+            cell.outputs.update({p.id: r.token_ids for p, r in zip(batch, results)})
+            for name, change in delta(before, after).items():
+                cell.counters[name] = cell.counters.get(name, 0.0) + change
+        print(f"  {link} {kind} c={concurrency} group {g + 1}/{len(batches)}: "
+              + ", ".join(f"{c.config} {c.tok_s:.1f}" for c in cells.values()), flush=True)
+    return list(cells.values())
+
+
+def row(cell: Cell, alone: Cell, cpu: dict[str, float]) -> dict:
+    c = cell.counters
+    steps = c["step_decode_count"] + c["step_verify_count"]
+    speculating_steps = c["drafts"] + c["draft_miss"]
+    ttft = statistics.median(cell.ttfts)
+    return {
+        "phase": cell.phase, "kind": cell.kind, "concurrency": cell.concurrency, "config": cell.config,
+        "tok_s": cell.tok_s, "vs_alone": cell.tok_s / alone.tok_s,
+        "mal": 1 + c["accepted_tokens"] / c["drafts"] if c["drafts"] else None,
+        "ttft_p50_ms": ttft * 1000, "ttft_vs_alone": ttft / statistics.median(alone.ttfts),
+        "draft_rtt_ms": 1000 * c["draft_rtt_sum"] / c["draft_rtt_count"] if c["draft_rtt_count"] else None,
+        "wait_ms_per_step": 1000 * c["draft_wait_sum"] / steps if steps else None,
+        "missed": c["draft_miss"] / speculating_steps if speculating_steps else None,
+        "salvaged": c["stale_salvaged"] / speculating_steps if speculating_steps else None,
+        "dropped": int(c["stale_dropped"]),
+        "guard_net_tokens": c["guard_gained"] - c["guard_lost"],
+        "identical": sum(cell.outputs[p] == alone.outputs[p] for p in alone.outputs),
+        "prompts": len(alone.outputs),
+        "cpu_s": cpu,
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| link | kind | c | config | tok/s | ÷ alone | MAL | TTFT p50 ms (÷ alone) | draft RTT ms | wait ms/step "
+             "| missed | salvaged | dropped | guard: net tokens | identical | CPU s target / draft / proxy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cpu = " / ".join(_fmt(r["cpu_s"].get(role), ".1f") for role in ("target", "draft", "proxy"))
+        lines.append(
+            f"| {r['phase']} | {r['kind']} | {r['concurrency']} | {r['config']} | {r['tok_s']:.1f} | "
+            f"{r['vs_alone']:.2f} | {_fmt(r['mal'], '.2f')} | {r['ttft_p50_ms']:.0f} ({r['ttft_vs_alone']:.2f}) | "
+            f"{_fmt(r['draft_rtt_ms'], '.1f')} | {_fmt(r['wait_ms_per_step'], '.2f')} | {_fmt(r['missed'], '.0%')} | "
+            f"{_fmt(r['salvaged'], '.0%')} | {r['dropped']} | {r['guard_net_tokens']:+.0f} | "
+            f"{r['identical']}/{r['prompts']} | {cpu} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """tokens/s / alone against round trip, one line per (drafter, kind, concurrency); loopback at 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    lines = sorted({(r["config"], r["kind"], r["concurrency"]) for r in rows if r["config"] != ALONE})
+    for config, kind, concurrency in lines:
+        points = sorted((0.0 if r["phase"] == LOOPBACK else float(r["phase"]), r["vs_alone"]) for r in rows
+                        if (r["config"], r["kind"], r["concurrency"]) == (config, kind, concurrency)
+                        and r["phase"] != LOOPBACK)
+        loop = [r["vs_alone"] for r in rows if (r["config"], r["kind"], r["concurrency"], r["phase"])
+                == (config, kind, concurrency, LOOPBACK)]
+        line, = ax.plot([x for x, _ in points], [y for _, y in points], marker="o",
+                        label=f"{config}, {kind}, c={concurrency}")
+        if loop:
+            ax.plot([0], loop, marker="*", markersize=12, color=line.get_color(), linestyle="none")
+    ax.axhline(1.0, color="gray", linewidth=1)
+    ax.axhline(0.98, color="gray", linewidth=1, linestyle=":")
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xlabel("round trip between target and drafter, ms (star: loopback, no proxy)")
+    ax.set_ylabel("tokens/s ÷ target alone")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
+    parser.add_argument("--rtts", default="loopback,0,1,4,10,40", help="loopback, or round trips in ms")
+    parser.add_argument("--drafters", default="model,suffix+model")
+    parser.add_argument("--kinds", default="chat,rewrite")
+    parser.add_argument("--num-prompts", type=int, default=8, help="per kind")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="each way, uniform in [0, this]")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "network")
+    args = parser.parse_args(argv)
+    args.rtts = args.rtts.split(",")
+    args.drafters = args.drafters.split(",")
+    args.kinds = args.kinds.split(",")
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    everything = load_prompts()
+    by_kind = {kind: [p for p in everything if p.kind == kind] for kind in args.kinds}
+    prompts = {kind: ps[:args.num_prompts] for kind, ps in by_kind.items()}
+    warm = {kind: ps[args.num_prompts:args.num_prompts + WARM_PROMPTS] for kind, ps in by_kind.items()}
+    logs = Path(tempfile.mkdtemp(prefix="tandem-network-"))
+    print(f"logs in {logs}", flush=True)
+    rows = []
+    for link in args.rtts:
+        cells, cpu = run_phase(link, args, prompts, warm, logs)
+        for cell in cells:
+            reference = next(c for c in cells if (c.kind, c.concurrency, c.config) == (cell.kind, cell.concurrency, ALONE))
+            rows.append(row(cell, reference, cpu[cell.config]))
+        print(markdown([r for r in rows if r["phase"] == link]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows)
+    args.out.with_suffix(".md").write_text(table + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                          "rows": rows}, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
