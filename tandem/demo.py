@@ -16,7 +16,12 @@ from tandem.cli import parser as cli_parser, run_generate
 from tandem.launch import ServiceProcess, free_port
 from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
-PROMPT = "Write a short paragraph about why the ocean looks blue, then list three ocean animals."
+# A request that copies much of its prompt, where drafts pay on any machine; on a small CPU the
+# target's speed guard holds off drafts that do not (docs/design.md, The speed guard).
+PROMPT = ("Correct any mistakes in the following text and return the full corrected text.\n\n"
+          "Our team moved its build sytem from a single large script to a set of small tasks last month. "
+          "Each task declares its inputs and outputs, so the build only reruns what changed. Clean builds "
+          "take about as long as before, but incremental builds are much faster.")
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ class Engine:
         self._accepting = True
         self._task: asyncio.Task | None = None
         self.kv_events = KvEventStream()  # the prefix cache's events, published after each step
+        self._cycle_from: float | None = None  # when the last step's decodes were accounted; None after a step without
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -143,14 +144,17 @@ class Engine:
         self._release_finished()
         self.publish_kv_events()
         if self.scheduler.idle:
+            self._cycle_from = None
             self._work.clear()
             await self._work.wait()
             return
+        started = time.perf_counter()
         batch = self.scheduler.schedule(full_prefills=bool(self.speculator.feature_layers))
         self.speculator.admit(batch.admitted)  # before our prefill, so that the drafter's runs beside it
         if batch.prefills or batch.chunks:
             results, firsts = await self._prefill(batch.prefills, batch.chunks)
             await self._publish(batch.prefills, results, self._commit(batch.prefills, results), firsts)
+        prefilled = time.perf_counter()
         decodes = [seq for seq in batch.decodes if seq.finish is None]
         if decodes:
             plan = await self.speculator.schedule(decodes, admission=self.scheduler.prompts_pending)
@@ -159,9 +163,19 @@ class Engine:
             for seq in plan.seqs:
                 seq.replay_from = None  # the step ran its replay: its slot holds its KV again
             outputs = self._commit(plan.seqs, results)
-            self.speculator.account(plan, results, outputs, seconds)
+            self.speculator.account(plan, results, outputs, seconds, self._cycle(started, prefilled))
             await self._publish(plan.seqs, results, outputs, firsts)
+        else:
+            self._cycle_from = None
         self.publish_kv_events()
+
+    def _cycle(self, started: float, prefilled: float) -> float:
+        """The decode part's whole cycle: since the last step's decodes were accounted (or since this
+        step began, after a step without), less this step's prefills."""
+        now = time.perf_counter()
+        since = self._cycle_from if self._cycle_from is not None else started
+        self._cycle_from = now
+        return now - since - (prefilled - started)
 
     def publish_kv_events(self) -> None:
         """Publish what the prefix cache stored and evicted since the last call, as one batch."""

@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from target_service.speed_guard import GuardFigures
 from target_service.vllm_metrics import VllmMirror
 
 # 1 ms upwards, roughly doubling: resolves CPU decode steps and GPU TTFT alike.
@@ -93,8 +94,43 @@ class TargetMetrics:
         self.drafts_requested = gauge(
             "tandem_spec_decode_requested_drafts",
             "Drafts per sequence the target last asked the drafter for, the batch's mean; 0 while none would pay.")
+        self.realized_speedup = gauge(
+            "tandem_spec_decode_realized_speedup",
+            "Tokens per second of wall time in steps that could speculate, over what the target alone makes at "
+            "that batch size, as the speed guard measures them (a moving average; 0 until measured).")
+        self.tokens_vs_alone = counter(
+            "tandem_spec_decode_tokens_vs_alone",
+            "Tokens that steps able to speculate made beyond (gained) or short of (lost) what the target alone "
+            "would have made in their time.", extra=("outcome",))
+        self.guard_decisions = counter(
+            "tandem_spec_decode_guard_decisions",
+            "Sequences the speed guard held off speculating, measured to lose (hold), or let speculate again "
+            "(release).", extra=("decision",))
+        self.guard_windows = counter(
+            "tandem_spec_decode_guard_windows",
+            "The speed guard's exploring windows: on (every sequence may speculate) or off (none may).",
+            extra=("kind",))
         self._labels = labels
+        for metric, label, values in ((self.tokens_vs_alone, "outcome", ("gained", "lost")),
+                                      (self.guard_decisions, "decision", ("hold", "release")),
+                                      (self.guard_windows, "kind", ("on", "off"))):
+            for value in values:  # exported at 0 from the start, so that rates and alerts see them
+                self.child(metric, **{label: value})
         self.registry.register(VllmMirror(self.families))
+
+    def observe_guard(self, before: GuardFigures, after: GuardFigures, speedup: float | None) -> None:
+        """The speed guard's figures after a step, counted from those before it."""
+        for outcome in ("gained", "lost"):
+            if grown := getattr(after, outcome) - getattr(before, outcome):
+                self.child(self.tokens_vs_alone, outcome=outcome).inc(grown)
+        for decision, name in (("hold", "holds"), ("release", "releases")):
+            if grown := getattr(after, name) - getattr(before, name):
+                self.child(self.guard_decisions, decision=decision).inc(grown)
+        for kind, name in (("on", "on_windows"), ("off", "off_windows")):
+            if grown := getattr(after, name) - getattr(before, name):
+                self.child(self.guard_windows, kind=kind).inc(grown)
+        if speedup is not None:
+            self.realized_speedup.set(speedup)
 
     def describe_cache(self, block_size: int, num_blocks: int, dtype: str, prefix_caching: bool) -> None:
         """The KV cache's configuration, under vLLM's label names (num_gpu_blocks on any device)."""

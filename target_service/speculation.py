@@ -3,9 +3,13 @@
 SyncPolicy is the blocking baseline that benchmarks compare against (--sync-speculation)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from target_service.config import TargetConfig
+from target_service.speed_guard import GuardRecord, SpeedGuard, StepResult
 
 _SMOOTHING = 0.1  # weight of the newest observation in the moving averages
 _MODEL_SMOOTHING = 0.02  # the same for the step-cost fit and alpha: slower, as they steer every step
@@ -18,6 +22,8 @@ _SYNC_WAIT = 1.0  # synchronous speculation waits this long at most, so that a d
 _PATIENCE_RTTS = 4  # a drafter that answers nothing for this many of its round trips is taken as hung
 _PRIOR_JUDGED = 4.0  # a sequence's own alpha starts as the batch's, worth this many judged drafts
 _SEQUENCE_SMOOTHING = 1 / 16  # weight of a sequence's newest verification in its own record
+_DELAY_SAMPLES = 64  # the drafter's latest answer delays, from which a step decides how long to wait
+_WAIT_SLACK, _WAIT_SLACK_SECONDS = 0.1, 0.0005  # a wait outlasts the round trip it waits for by this much
 
 
 def _judged(num_accepted: int, num_drafts: int) -> int:
@@ -35,6 +41,7 @@ class DraftRecord:
     accepted: float = 0.0
     judged: float = 0.0
     paused: bool = False  # no draft of it paid when last asked: drafts are weighed again after an exploring step
+    guard: GuardRecord = field(default_factory=GuardRecord)  # its realized speed with speculation (SpeedGuard)
 
     def observe(self, num_accepted: int, num_drafts: int) -> None:
         keep = 1 - _SEQUENCE_SMOOTHING
@@ -73,12 +80,22 @@ class SpeculationPolicy:
         self.mean_accepted = 1.0  # optimistic until measured, so that a new drafter gets a chance
         self.mean_step = self.max_wait
         self.mean_rtt = 0.0  # update sent -> proposal received; optimistic until measured
+        self._delays: deque[float] = deque(maxlen=_DELAY_SAMPLES)  # the latest such round trips
         self._unanswered_since: float | None = None  # the first update sent since the drafter's last answer
         self._steps = 0
         self._fit = [0.0] * 5  # exponentially weighted sums of 1, n, t, n*n, n*t over steps
         self._per_token = 0.0  # the last cost per token the fit could measure; 0 until it could
         self._paused = False  # the drafter was last asked for no sequence's drafts beyond exploring
         self._accepted = self._judged = 1.0  # alpha = 1 until measured, so that drafts get tried
+        self.guard = SpeedGuard()
+
+    def new_record(self) -> DraftRecord:
+        """A new sequence's record: the guard decides whether it starts by speculating."""
+        return DraftRecord(guard=self.guard.new_record())
+
+    def lead_steps(self) -> int:
+        """Steps a drafter's answer takes to arrive: how far ahead drafts must be asked for."""
+        return 1 + math.ceil(self.mean_rtt / max(self.mean_step, _MIN_SECONDS))
 
     def observe_verify(self, num_accepted: int, num_drafts: int, record: DraftRecord) -> None:
         """One sequence's verification: num_accepted of its num_drafts drafts were accepted."""
@@ -100,8 +117,23 @@ class SpeculationPolicy:
         if spread > _MIN_SPREAD:
             self._per_token = max(0.0, (nt / w - n / w * t / w) / spread)
 
+    def observe_cycle(self, records: list[DraftRecord], speculating: list[bool], tokens: list[int],
+                      seconds: float) -> None:
+        """A decode or verify step's whole cycle, for the speed guard: whether each sequence could
+        speculate in it, what each committed, and the wall time since the last step's."""
+        self.guard.observe(StepResult([record.guard for record in records], speculating, tokens, seconds))
+
+    def new_drafter(self, records: list[DraftRecord]) -> None:
+        """A drafter (re)connected: the speed guard measures it afresh."""
+        self.guard.new_drafter([record.guard for record in records])
+
+    def allowed(self, records: list[DraftRecord]) -> list[bool]:
+        """Whether the speed guard lets each sequence verify drafts in the next step."""
+        return self.guard.allowed([record.guard for record in records])
+
     def observe_draft_rtt(self, seconds: float) -> None:
         self.mean_rtt += _SMOOTHING * (seconds - self.mean_rtt)
+        self._delays.append(seconds)
 
     def observe_update_sent(self, now: float) -> None:
         """An update that the drafter will answer (Opens or Extends) was sent."""
@@ -144,6 +176,7 @@ class SpeculationPolicy:
         batch or a better drafter would go unnoticed. Exploring costs a step's worth of drafts that
         do not pay, hence less often while none do.
         """
+        available = [most if ok else 0 for most, ok in zip(available, self.allowed(records))]
         best = self._best_limits(records, available)
         explore = self._steps_to_explore(_EXPLORE_EVERY) == 0
         explore_paused = self._steps_to_explore(_EXPLORE_PAUSED_EVERY) == 0
@@ -166,13 +199,19 @@ class SpeculationPolicy:
 
         A paused sequence stays paused until an exploring step has judged its draft: what pauses it
         is a verdict, and so is what resumes it, not the noise of a step's time in the cost model.
+        The speed guard may hold a sequence off besides (SpeedGuard.wanted): it then asks for none,
+        but its pause stays the cost model's verdict, so that it drafts again once the guard lets it.
         """
         best = self._best_limits(records, caps)
         for k, record in zip(best, records):
             record.paused = not k
         self._paused = not any(best)
+        wanted = self.guard.wanted([record.guard for record in records], caps, self.lead_steps())
+        if not all(wanted):
+            best = self._best_limits(records, [cap if ok else 0 for cap, ok in zip(caps, wanted)])
         explore_soon = self._steps_to_explore(_EXPLORE_PAUSED_EVERY) < _EXPLORE_LEAD
-        return [min(k + 1, cap) if k else min(1, cap) if explore_soon else 0 for k, cap in zip(best, caps)]
+        return [(min(k + 1, cap) if k else min(1, cap) if explore_soon else 0) if ok else 0
+                for k, cap, ok in zip(best, caps, wanted, strict=True)]
 
     def _steps_to_explore(self, every: int) -> int:
         """Steps before the next exploring one, one step in `every`; 0: the next step explores."""
@@ -204,14 +243,25 @@ class SpeculationPolicy:
             limits[i] += 1
         return limits
 
-    def wait_bound(self) -> float:
-        """While the drafter is paused, the exploring step waits up to --draft-wait-ms for its one
+    def wait_bound(self, elapsed: float = 0.0) -> float:
+        """How much longer a step may wait for drafts asked for `elapsed` seconds ago.
+
+        The drafts save about mean accepted x step time when they come, and they come within w with
+        the share of the drafter's recent round trips that end within elapsed + w, of those not over
+        yet: the bound is the w that maximizes that expected saving less w, or 0 where none gains.
+        So a drafter whose answers come later than --draft-wait-ms is not waited for at all, and one
+        whose answers mostly come at once but sometimes late is waited for as long as they mostly
+        take. Until a round trip is measured, the saving itself, at most --draft-wait-ms.
+
+        While the drafter is paused, the exploring step waits up to --draft-wait-ms for its one
         draft: without it the step measures nothing, and a drafter whose answers come later than
         a step would stay paused for good."""
         if self._paused and self._steps_to_explore(_EXPLORE_PAUSED_EVERY) == 0:
             return self.max_wait
-        bound = min(self.max_wait, self.mean_accepted * self.mean_step)
-        return bound if self.mean_rtt <= bound else 0.0
+        saving = self.mean_accepted * self.mean_step
+        if not self._delays:
+            return min(self.max_wait, saving)
+        return best_wait(self._delays, elapsed, saving, self.max_wait)
 
     @property
     def longest_wait(self) -> float:
@@ -222,12 +272,29 @@ class SpeculationPolicy:
         """How long the drafter may leave an update unanswered before steps stop waiting for it."""
         return max(_PATIENCE_RTTS * self.mean_rtt, self.longest_wait)
 
-    def wait_deadline(self, now: float) -> float:
-        """When a step that starts waiting for drafts now stops: after the bound, or when patience runs out."""
-        deadline = now + self.wait_bound()
+    def wait_deadline(self, now: float, asked_at: float) -> float:
+        """When a step that starts waiting now for drafts asked for at `asked_at` stops: after the
+        bound, or when patience runs out."""
+        deadline = now + self.wait_bound(now - asked_at)
         if self._unanswered_since is not None:
             deadline = min(deadline, self._unanswered_since + self.patience())
         return deadline
+
+
+def best_wait(delays: Iterable[float], elapsed: float, saving: float, longest: float) -> float:
+    """The wait w <= longest that maximizes P(the answer comes within w) x saving - w, where P is the
+    share of the round trips `delays` that end within elapsed + w among those longer than elapsed;
+    0 when no wait gains. Each candidate wait outlasts its round trip by _WAIT_SLACK, as the next
+    answer may come a little later than the last ones did (a wait ends when the drafts come)."""
+    pending = sorted(d - elapsed for d in delays if d > elapsed)
+    best, gain = 0.0, 0.0
+    for arrived, until in enumerate(pending, start=1):
+        wait = min(longest, until * (1 + _WAIT_SLACK) + _WAIT_SLACK_SECONDS)
+        if until > longest:
+            break
+        if arrived / len(pending) * saving - wait > gain:
+            best, gain = wait, arrived / len(pending) * saving - wait
+    return best
 
 
 class SyncPolicy(SpeculationPolicy):
@@ -246,7 +313,7 @@ class SyncPolicy(SpeculationPolicy):
     def drafts_to_request(self, records: list[DraftRecord], caps: list[int]) -> list[int]:
         return list(caps)
 
-    def wait_bound(self) -> float:
+    def wait_bound(self, elapsed: float = 0.0) -> float:
         return _SYNC_WAIT
 
     @property

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -31,6 +32,7 @@ from target_service.drafts import InvalidProposal, validate_proposal
 from target_service.metrics import TargetMetrics
 from target_service.sequence import Output, Sequence
 from target_service.speculation import SpeculationPolicy
+from target_service.speed_guard import GuardFigures
 from target_service.model_runner import Verified
 from tandem.hidden_states import FeatureLayout
 from tandem.v1 import drafter_pb2
@@ -72,6 +74,7 @@ class Speculator:
         self.max_len = max_len  # of the KV cache: no draft may run past it
         self._states: dict[int, DrafterState] = {}  # by seq_id, in admission order
         self._news = asyncio.Event()  # proposals arrived, or a request did: a wait for drafts looks again
+        self._guard_figures = GuardFigures()  # the speed guard's figures as the metrics last counted them
         self.link = connect(self) if connect is not None else None
 
     @property
@@ -101,7 +104,7 @@ class Speculator:
         Called before their prefill, so that the drafter's prefill runs beside it.
         """
         for seq in seqs:
-            self._states[seq.seq_id] = DrafterState(seq)
+            self._states[seq.seq_id] = DrafterState(seq, record=self.policy.new_record())
         self._send(opens=[self._open(self._states[seq.seq_id]) for seq in seqs if self._speculates(seq)])
 
     async def schedule(self, seqs: list[Sequence], admission: Callable[[], bool]) -> DraftPlan:
@@ -117,12 +120,15 @@ class Speculator:
         plan = await self._wait_for_drafts(plan, budgets, admission)
         return self._take(states, plan, budgets)
 
-    def account(self, plan: DraftPlan, results: list[Verified], outputs: list[Output | None], seconds: float) -> None:
+    def account(self, plan: DraftPlan, results: list[Verified], outputs: list[Output | None], seconds: float,
+                cycle: float) -> None:
         """The step's verdicts: results[i] is entry i's, outputs[i] what it committed (None if it ended
         before). Usage and metrics count the accepted drafts that were committed, as a stop discards
         the rest; the policy learns from the verifier's verdict, which judges the drafter, not the stop.
+        seconds: the forward pass; cycle: the step's whole cycle since the last one's account.
         """
         self.policy.observe_step(plan.num_tokens, seconds)
+        self._observe_cycle(plan, outputs, cycle)
         m = self.metrics
         for entry, result, output in zip(plan.entries, results, outputs, strict=True):
             if output is None or not entry.num_drafts:
@@ -136,6 +142,20 @@ class Speculator:
             m.acceptance_length.observe(accepted + 1)
             for position in range(accepted):
                 m.child(m.accepted_per_pos, position=str(position)).inc()
+
+    def _observe_cycle(self, plan: DraftPlan, outputs: list[Output | None], cycle: float) -> None:
+        """The speed guard's view of the step: a sequence speculated in it if it could verify drafts,
+        the guard allowed it, and the drafter was drafting for it."""
+        states = [self._states[seq.seq_id] for seq in plan.seqs]
+        records = [state.record for state in states]
+        allowed = self.policy.allowed(records)
+        speculating = [ok and entry.cap > 0 and state.told_k > 0
+                       for ok, entry, state in zip(allowed, plan.entries, states, strict=True)]
+        tokens = [len(output.token_ids) if output is not None else 0 for output in outputs]
+        self.policy.observe_cycle(records, speculating, tokens, cycle)
+        figures = replace(self.policy.guard.figures)
+        self.metrics.observe_guard(self._guard_figures, figures, self.policy.guard.speedup)
+        self._guard_figures = figures
 
     async def publish(self, seqs: list[Sequence], results: list[Verified], firsts: list[int]) -> None:
         """Tell the drafter the tokens these sequences committed, with the features of those
@@ -168,6 +188,7 @@ class Speculator:
         """
         for state in self._states.values():
             state.forget()
+        self.policy.new_drafter([state.record for state in self._states.values()])
         return drafter_pb2.TargetUpdate(opens=[self._open(state) for state in self._states.values()
                                                if state.seq.finish is None and self._speculates(state.seq)])
 
@@ -205,7 +226,8 @@ class Speculator:
         if not _awaits(plan, budgets):
             return plan
         started = time.perf_counter()
-        deadline = self.policy.wait_deadline(started)
+        asked_at = max(self._states[e.seq.seq_id].told_at or started for e in plan.entries if e.awaiting)
+        deadline = self.policy.wait_deadline(started, asked_at)
         slept = False
         while _awaits(plan, budgets):
             remaining = deadline - time.perf_counter()
@@ -233,11 +255,11 @@ class Speculator:
             if evicted.stale:
                 m.child(m.draft_stale, outcome="dropped").inc(evicted.stale)
             m.draft_cache_evicted.inc(evicted.predrafts)
-            if entry.cap == 0:
+            if entry.cap == 0 or budget == 0:
                 continue
             if entry.drafts is None:
                 m.draft_miss.inc()
-            elif budget > 0:
+            else:
                 entry.source.used = True
                 if entry.cached:
                     m.draft_cache_hits.inc()

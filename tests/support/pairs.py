@@ -37,6 +37,17 @@ def wait_connected(target: ServiceProcess, connected: bool = True, timeout: floa
     raise AssertionError(f"tandem_drafter_connected did not become {int(connected)}")
 
 
+def waits_between(before: list, after: list) -> tuple[float, float, float]:
+    """(decode and verify steps, steps that waited for drafts, seconds waited) between two scrapes
+    of a target's /metrics."""
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    steps = sum(delta("tandem_step_duration_seconds_count", kind=kind) for kind in ("decode", "verify"))
+    return steps, delta("tandem_draft_wait_seconds_count"), delta("tandem_draft_wait_seconds_sum")
+
+
 def restart_drafter(draft: ServiceProcess, target: ServiceProcess) -> ServiceProcess:
     """Kills the drafter, waits for the target to see it gone, starts it again and waits for the
     target to reconnect: what the target's running sequences see of a drafter's crash and restart."""

@@ -310,11 +310,13 @@ def test_alert_rules_evaluate_and_see_the_pair_up_and_connected(observed_pair):
     prometheus.wait_until(lambda: all(r["health"] != "unknown" for g in prometheus.api("rules")["groups"]
                                       for r in g["rules"]), "every alert rule evaluated")
     rules = {r["name"]: r for g in prometheus.api("rules")["groups"] for r in g["rules"]}
-    assert set(rules) == {"TandemServiceDown", "TandemDrafterDisconnected", "TandemAcceptanceCollapsed"}
+    assert set(rules) == {"TandemServiceDown", "TandemDrafterDisconnected", "TandemAcceptanceCollapsed",
+                          "TandemSpeculationCosts"}
     for name, rule in rules.items():
         assert rule["health"] == "ok", (name, rule.get("lastError"))
     assert rules["TandemServiceDown"]["state"] == "inactive"
     assert rules["TandemDrafterDisconnected"]["state"] == "inactive"
+    assert rules["TandemSpeculationCosts"]["state"] == "inactive"
 
 
 TLS_ENV = {"TLS_DIR": "/srv/tls", "TLS_CA": "/tls/ca.crt", "DRAFT_TLS_CERT": "/tls/draft.crt",

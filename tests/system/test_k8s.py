@@ -206,7 +206,7 @@ def test_the_prometheus_rule_passes_promtool(tmp_path):
     rules = tmp_path / "rules.yml"
     rules.write_text(yaml.safe_dump(_monitoring()["PrometheusRule"]["spec"]))
     done = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and "3 rules found" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0 and "4 rules found" in done.stdout, done.stdout + done.stderr
 
 
 def test_the_dashboard_config_map_asks_for_the_clusters_prometheus():

@@ -87,12 +87,13 @@ def test_a_drafter_whose_drafts_never_pay_is_paused_but_still_explored(wrong_pai
     asked = list(drafter.asked)
     assert len(asked) == MAX_TOKENS - 1  # one Extend per step after the prefill's
     assert drafter.above_open_k == 0
-    paused_from = asked.index(0)  # drafts are rejected: alpha falls, and they stop paying
+    # Drafts are rejected: alpha falls, and they stop paying. Before that the speed guard may ask for
+    # none for a few steps (its off window): the pause is what follows the last ask for more than one.
+    paused_from = max(i for i, k in enumerate(asked) if k > 1) + 1
     after = asked[paused_from:]
     assert len(after) >= 48, f"paused only after {paused_from} steps"
     share = sum(k > 0 for k in after) / len(after)
     assert 0 < share <= 0.1, f"asked for drafts on {share:.0%} of the steps after the pause: {after}"
-    assert set(after) <= {0, 1}  # an exploring step verifies one draft
     samples = scrape(target.metrics_url)
     assert metric(samples, "tandem_spec_decode_requested_drafts") in (0, 1)
     assert metric(samples, "tandem_spec_decode_num_accepted_tokens_total") == 0

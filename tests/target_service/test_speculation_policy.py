@@ -31,7 +31,27 @@ def test_a_drafter_slower_than_the_bound_is_not_waited_for_until_it_speeds_up():
     assert policy.wait_bound() == 0
     for _ in range(200):
         policy.observe_draft_rtt(0.010)
-    assert policy.wait_bound() == pytest.approx(0.030)
+    assert 0.010 < policy.wait_bound() < 0.012  # as long as its answers take, and a little more
+
+
+def test_the_wait_follows_the_distribution_of_round_trips_not_their_mean():
+    """Answers that mostly come in 5 ms and sometimes in 200 ms: wait for the quick ones only. The
+    mean (about 100 ms) would say never wait; waiting for the slow ones would cost every step."""
+    policy = _policy(draft_wait_ms=50)
+    for rtt in itertools.islice(itertools.cycle((0.005, 0.005, 0.005, 0.200)), 64):
+        policy.observe_draft_rtt(rtt)
+    assert 0.005 < policy.wait_bound() <= 0.0061
+    # Asked 4 ms ago: 1 ms more, for those. Asked 6 ms ago: the quick ones would have come, and the
+    # slow ones come too late to wait for.
+    assert 0.001 < policy.wait_bound(elapsed=0.004) < 0.0017
+    assert policy.wait_bound(elapsed=0.006) == 0
+
+
+def test_no_step_waits_for_answers_the_round_trips_say_come_after_the_bound():
+    policy = _policy(draft_wait_ms=30)
+    for _ in range(64):
+        policy.observe_draft_rtt(0.031)
+    assert policy.wait_bound() == 0
 
 
 def test_rejected_drafts_shrink_the_bound():
@@ -53,13 +73,16 @@ def test_a_silent_drafter_is_waited_for_only_until_its_patience_runs_out():
     for _ in range(200):
         policy.observe_draft_rtt(0.005)
     assert policy.patience() == pytest.approx(0.030)  # four round trips are less than the bound
-    assert policy.wait_deadline(10.0) == pytest.approx(10.030)
+    wait = policy.wait_bound()
+    assert 0.005 < wait < 0.007
+    assert policy.wait_deadline(10.0, asked_at=10.0) == pytest.approx(10.0 + wait)
     policy.observe_update_sent(10.0)
     policy.observe_update_sent(10.020)  # the first unanswered update sets the clock
-    assert policy.wait_deadline(10.020) == pytest.approx(10.030)
-    assert policy.wait_deadline(10.100) < 10.100  # silent past its patience: no wait at all
+    assert policy.wait_deadline(10.020, asked_at=10.020) == pytest.approx(10.020 + wait)
+    assert policy.wait_deadline(10.028, asked_at=10.028) == pytest.approx(10.030)  # patience ends first
+    assert policy.wait_deadline(10.100, asked_at=10.100) < 10.100  # silent past its patience: no wait at all
     policy.observe_answer()
-    assert policy.wait_deadline(10.100) == pytest.approx(10.130)
+    assert policy.wait_deadline(10.100, asked_at=10.100) == pytest.approx(10.100 + wait)
 
 
 def test_patience_grows_with_the_drafter_round_trip():

@@ -1,0 +1,258 @@
+"""The speed guard: speculation only where it measurably makes a sequence faster than the target alone.
+
+The policy's cost model predicts what drafts gain from the forward pass's cost. What a client sees
+also pays for what the model does not see: waiting for drafts, handling proposals, and the drafter
+itself, whose rounds share the machine's cores and memory bus with the target. So the guard
+measures the rate the step loop realizes, tokens per second of wall time, with speculation and
+without, and holds a sequence off wherever its speculation loses.
+
+Measured, per step (a decode or verify step's whole cycle, waits and publishing included, prompts'
+prefills excluded):
+  - t_on(B), t_off(B): the seconds of a step of B sequences with speculation on (any sequence may
+    verify drafts) and off (none may, and the drafter was asked for nothing), moving averages;
+  - m_i: sequence i's tokens per step while it speculates, drawn towards the recent sequences' mean
+    while it has few steps of its own.
+Speculating pays for sequence i while m_i / t_on(B) > 1 / t_off(B), that is m_i > c = t_on / t_off:
+its speculation adds more tokens per step than the step's extra time is worth. Below c (1 - MARGIN)
+the guard holds it off; above c (1 + MARGIN) it lets it speculate again.
+
+Each kind of step needs measuring while the other is the rule, so exploring windows of
+WINDOW_STEPS steps interrupt the rule: an off window (no sequence speculates) while some speculate,
+an on window (every sequence may) while some are held off. A window comes at once when the batch
+size at hand has no measurement of the kind it needs, and otherwise every EXPLORE_PERIOD steps, up
+to four times rarer the further the measured speed-up is from 1, as they cost what the rule gains.
+A new sequence speculates for its first TRIAL_STEPS measured steps, so that a request that copies
+its prompt is found out at once; only SHORT_TRIAL_STEPS while the measured speed-up is far below 1
+(SHORT_TRIAL_BELOW), where each trial step costs the client, and a copying request still shows
+its tokens per step in two.
+Steps after a change of mode are not measured: drafts asked for take a round trip to arrive, and a
+drafter asked for none finishes its round first.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+WINDOW_STEPS = 8  # measured steps per exploring window
+EXPLORE_PERIOD = 64  # steps between exploring windows near break-even
+MAX_PERIOD_FACTOR = 4  # windows up to this many times rarer when the speed-up is clearly above or below 1
+CONFIDENT_LOG_RATIO = 0.05  # |log speed-up| per factor of the period
+TRIAL_STEPS = 8  # measured speculating steps a new sequence has before its own rate may hold it off
+SHORT_TRIAL_STEPS = 2  # the trial while the measured speed-up is below SHORT_TRIAL_BELOW
+SHORT_TRIAL_BELOW = 0.8
+MARGIN = 0.02  # hysteresis around break-even
+PRIOR_STEPS = 4.0  # a sequence's tokens per step start as the recent sequences', worth this many steps
+MAX_LEAD = 8  # steps ahead that drafts are asked for before an on window, at most
+_SMOOTHING = 0.05  # weight of the newest step in the step-time averages and the prior
+_SEQUENCE_KEEP = 1 - 1 / 32  # a sequence's own tokens per step weigh its last ~32 speculating steps
+
+
+class _Average:
+    """The mean of the first 1 / _SMOOTHING samples, then an exponentially weighted one: a few
+    samples weigh alike, and old ones fade."""
+
+    __slots__ = ("value", "count")
+
+    def __init__(self) -> None:
+        self.value, self.count = 0.0, 0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.value += max(_SMOOTHING, 1 / self.count) * (x - self.value)
+
+
+@dataclass(slots=True)
+class GuardRecord:
+    """One sequence's realized speculation: its tokens per speculating step, and the guard's verdict."""
+
+    tokens: float = 0.0  # decayed sums over measured steps in which it could speculate
+    steps: float = 0.0
+    measured: int = 0  # such steps, undecayed, for its trial
+    held_off: bool = False  # its speculation was measured to lose: it decodes as the target alone would
+    trial: bool = True  # it may speculate until it has trial_steps measured steps
+    trial_steps: int = TRIAL_STEPS
+    last_on: bool = False  # it could speculate in the last step
+
+    def add(self, tokens: int) -> None:
+        self.tokens = _SEQUENCE_KEEP * self.tokens + tokens
+        self.steps = _SEQUENCE_KEEP * self.steps + 1
+        self.measured += 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one decode or verify step realized, for the guard."""
+
+    records: list[GuardRecord]
+    speculating: list[bool]  # whether each sequence could verify drafts (the guard allowed it and it had a cap)
+    tokens: list[int]  # tokens each committed
+    seconds: float  # the step's whole cycle
+
+
+@dataclass(slots=True)
+class _Window:
+    on: bool  # an on window (every sequence may speculate) or an off window (none may)
+    start: int  # its first step, after the lead
+    end: int  # one past its last step
+    lead: int  # steps before start in which drafts are asked for ahead of the window
+
+    def leading(self, step: int) -> bool:
+        """The step runs while drafts are asked for ahead of the window: neither mode's steady state."""
+        return self.start - self.lead <= step < self.start
+
+
+@dataclass(slots=True)
+class GuardFigures:
+    """What the guard measured, for metrics: tokens gained and lost against the target alone."""
+
+    gained: float = 0.0
+    lost: float = 0.0
+    holds: int = 0  # sequences held off
+    releases: int = 0  # sequences let speculate again
+    on_windows: int = 0
+    off_windows: int = 0
+
+
+class SpeedGuard:
+    def __init__(self) -> None:
+        self._step = 0  # steps observed
+        self._times: dict[bool, dict[int, _Average]] = {True: {}, False: {}}  # on/off -> batch size -> seconds
+        self._prior = _Average()  # tokens per speculating step, over recent sequences' steps
+        self._speedup = _Average()  # realized tokens per step / tokens the target alone would have made
+        self._window: _Window | None = None
+        self._next_window = EXPLORE_PERIOD
+        self._last_kind = False  # the kind of the last window, to alternate in mixed batches
+        self._modes: list[bool] = []  # the batch's mode (on/off) in recent steps, newest last
+        self.figures = GuardFigures()
+
+    # ---- what the steps may do ------------------------------------------------------------------
+
+    def allowed(self, records: list[GuardRecord]) -> list[bool]:
+        """Whether each sequence may verify drafts in the next step."""
+        return [self._on_at(record, self._step) for record in records]
+
+    def wanted(self, records: list[GuardRecord], caps: list[int], lead: int) -> list[bool]:
+        """Whether each sequence should now ask the drafter for drafts, which take about `lead` steps
+        to arrive: it may speculate in the next step, or an on window starts within `lead` steps.
+        caps: the drafts each could verify; windows are planned for those that could verify any."""
+        lead = min(lead, MAX_LEAD)
+        self._plan_window([record for record, cap in zip(records, caps, strict=True) if cap > 0], lead)
+        window, step = self._window, self._step
+        early = window is not None and window.on and window.start - lead <= step < window.end
+        return [early or self._on_at(record, step) for record in records]
+
+    def new_record(self) -> GuardRecord:
+        """A new sequence's record, on trial: a short one while speculation has lately lost far too much."""
+        losing = self._speedup.count >= TRIAL_STEPS and self._speedup.value < SHORT_TRIAL_BELOW
+        return GuardRecord(trial_steps=SHORT_TRIAL_STEPS if losing else TRIAL_STEPS)
+
+    def new_drafter(self, records: list[GuardRecord]) -> None:
+        """A drafter (re)connected: what speculating cost with the last one says nothing of this one.
+        Its measurements are forgotten, and the running sequences get a trial again."""
+        self._times[True].clear()
+        self._prior, self._speedup = _Average(), _Average()
+        for record in records:
+            record.tokens = record.steps = 0.0
+            record.measured, record.held_off, record.trial, record.trial_steps = 0, False, True, TRIAL_STEPS
+
+    @property
+    def speedup(self) -> float | None:
+        """The realized speed-up of the steps that could speculate, against the target alone; None until measured."""
+        return self._speedup.value if self._speedup.count else None
+
+    def _on_at(self, record: GuardRecord, step: int) -> bool:
+        window = self._window
+        if window is not None and window.start <= step < window.end:
+            return window.on
+        return record.trial or not record.held_off
+
+    def _plan_window(self, records: list[GuardRecord], lead: int) -> None:
+        """Schedule the next exploring window once the period is up: off while any sequence
+        speculates and on while any is held off, alternating when both. An on window starts after
+        `lead` steps, so that its first steps find the drafts they asked for."""
+        if self._window is not None and self._step >= self._window.end:
+            self._window = None
+            self._next_window = self._step + self._period()
+        if self._window is not None:
+            return
+        speculating = any(r.trial or not r.held_off for r in records)
+        held = any(r.held_off and not r.trial for r in records)
+        batch = len(records)
+        unmeasured_off = speculating and self._closest(False, batch) is None and self._step >= TRIAL_STEPS
+        unmeasured_on = held and self._closest(True, batch) is None
+        if not (unmeasured_off or unmeasured_on) and (self._step < self._next_window or not (speculating or held)):
+            return
+        on = unmeasured_on or (held and not unmeasured_off and (not speculating or not self._last_kind))
+        start = self._step + (lead if on else 0)
+        self._window = _Window(on, start, start + WINDOW_STEPS, lead if on else 0)
+        self._last_kind = on
+        if on:
+            self.figures.on_windows += 1
+        else:
+            self.figures.off_windows += 1
+
+    def _period(self) -> int:
+        if not self._speedup.count:
+            return EXPLORE_PERIOD
+        distance = abs(math.log(max(self._speedup.value, 1e-3)))
+        return EXPLORE_PERIOD * int(min(MAX_PERIOD_FACTOR, max(1.0, distance / CONFIDENT_LOG_RATIO)))
+
+    # ---- what they did ---------------------------------------------------------------------------
+
+    def observe(self, step: StepResult) -> None:
+        """A step's realized cycle; steps right after a change of mode are not measured."""
+        on = any(step.speculating)
+        settled = len(self._modes) >= 2 and self._modes[-1] == on and self._modes[-2] == on
+        settled &= self._window is None or not self._window.leading(self._step)
+        self._modes = [*self._modes[-1:], on]
+        self._step += 1
+        if settled and step.seconds > 0:
+            batch = len(step.records)
+            self._times[on].setdefault(batch, _Average()).add(step.seconds)
+            if on:
+                self._observe_on(step, batch)
+        for record, speculating in zip(step.records, step.speculating, strict=True):
+            record.last_on = speculating
+
+    def _observe_on(self, step: StepResult, batch: int) -> None:
+        off = self._closest(False, batch)
+        if off is not None:
+            alone = step.seconds * batch / off  # tokens the target alone would have made in this time
+            made = sum(step.tokens)
+            self._speedup.add(made / alone)
+            if made >= alone:
+                self.figures.gained += made - alone
+            else:
+                self.figures.lost += alone - made
+        cost = self.cost_ratio(batch)
+        for record, speculating, tokens in zip(step.records, step.speculating, step.tokens, strict=True):
+            if not (speculating and record.last_on):
+                continue
+            record.add(tokens)
+            self._prior.add(tokens)
+            if record.trial and record.measured >= record.trial_steps:
+                record.trial = False
+            if cost is not None:
+                self._judge(record, cost)
+
+    def _judge(self, record: GuardRecord, cost: float) -> None:
+        prior = self._prior.value if self._prior.count else 1.0
+        rate = (record.tokens + PRIOR_STEPS * prior) / (record.steps + PRIOR_STEPS)
+        if not record.held_off and rate < cost * (1 - MARGIN):
+            record.held_off = True
+            self.figures.holds += 1
+        elif record.held_off and rate > cost * (1 + MARGIN):
+            record.held_off = False
+            self.figures.releases += 1
+
+    def cost_ratio(self, batch: int) -> float | None:
+        """t_on / t_off for a batch of this size (or the closest measured); None until both are measured."""
+        on, off = self._closest(True, batch), self._closest(False, batch)
+        return None if on is None or off is None else on / off
+
+    def _closest(self, on: bool, batch: int) -> float | None:
+        """The mean step time of this kind at `batch` sequences, or at the closest batch size measured
+        within a quarter of it (at least one); None when there is none."""
+        times = self._times[on]
+        near = [b for b in times if abs(b - batch) <= max(1, batch // 4)]
+        return times[min(near, key=lambda b: (abs(b - batch), b))].value if near else None
