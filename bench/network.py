@@ -2,7 +2,8 @@
 
     python -m bench.network [--rtts loopback,0,1,4,10,40] [--drafters model,suffix+model]
                             [--kinds chat,rewrite] [--num-prompts 8] [--concurrency 1,8]
-                            [--max-tokens 128] [--jitter-ms 0] [--out bench/results/network]
+                            [--max-tokens 128] [--jitter-ms 0] [--eagle-head HEAD]
+                            [--out bench/results/network]
 
 One phase per link: the draft service of each drafter, a delay proxy (bench/delay_proxy.py) in
 front of it at that round trip (none for `loopback`), and a target whose --drafter is the proxy;
@@ -37,6 +38,7 @@ from bench.delay_proxy import ProxyProcess
 from bench.load import build_request
 from bench.prompt_set import Prompt, load_prompts
 from bench.scrape import counters, delta
+from bench.serve import EAGLE3, eagle3_drafter_flags
 from tandem.client import generate
 from tandem.launch import ServiceProcess
 from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
@@ -111,10 +113,17 @@ def groups(prompts: list[Prompt], concurrency: int) -> list[list[Prompt]]:
     return [[prompts[(g * concurrency + i) % len(prompts)] for i in range(concurrency)] for g in range(count)]
 
 
+def drafter_flags(drafter: str, args: argparse.Namespace) -> list[str]:
+    """The draft service's flags for one drafter kind."""
+    if drafter == EAGLE3:
+        return eagle3_drafter_flags(args.eagle_head, args.model)
+    draft_model = args.draft_model if "model" in drafter else args.model  # lookup drafters load its tokenizer
+    return ["--model", draft_model, "--drafter", drafter]
+
+
 def start_pair(drafter: str, link: str, args: argparse.Namespace, logs: Path) -> Service:
     tag = f"{drafter}-{link}".replace("+", "_")
-    draft_model = args.draft_model if "model" in drafter else args.model  # lookup drafters load its tokenizer
-    draft = ServiceProcess("draft_service", ["--model", draft_model, "--drafter", drafter, "--threads", "1"],
+    draft = ServiceProcess("draft_service", [*drafter_flags(drafter, args), "--threads", "1"],
                            log_path=logs / f"draft-{tag}.log").start()
     proxy = None
     address = draft.address
@@ -261,12 +270,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="each way, uniform in [0, this]")
+    parser.add_argument("--eagle-head", help="an EAGLE-3 head folder for the drafter eagle3 (distill --kind eagle3)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "network")
     args = parser.parse_args(argv)
     args.rtts = args.rtts.split(",")
     args.drafters = args.drafters.split(",")
     args.kinds = args.kinds.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if EAGLE3 in args.drafters and not args.eagle_head:
+        parser.error("the drafter eagle3 needs --eagle-head")
     return args
 
 

@@ -1,108 +1,65 @@
-"""Tokens/s of the async pair against the target alone, per drafter and prompt kind, in one run each.
+"""Which drafter pays on a mix of prompts: each drafter against the target alone, per prompt kind.
 
-    python -m bench.pair_kinds [--drafters suffix suffix+model model] [--kinds rewrite code chat]
-                               [--num-prompts 8] [--max-tokens 128] [--dtype bfloat16]
+    python -m bench.pair_kinds [--drafters ngram,suffix,suffix+model,model] [--kinds chat,code,rewrite]
+                               [--num-prompts 6] [--concurrency 1,8] [--max-tokens 128]
                                [--eagle-head HEAD]   (adds the drafter eagle3: that EAGLE-3 head)
 
-For each (kind, drafter) it starts a draft service and a target (one thread each, the target
-keeping pre-drafts, as deployed), warms both up on two prompts of that kind that it does not
-measure, then sends the kind's first --num-prompts prompts one at a time, greedy: first without
-speculation (the target alone), then with it. Prints tokens/s of each, their ratio, and from the
-target's metrics the mean acceptance length, the share of verify steps that had to wait for a
-fresh proposal (misses) and whether the outputs were identical.
+bench.network on loopback: the target alone and a pair per drafter (one thread each, as deployed),
+all up at once, each prompt sent to every configuration in turn, greedy. After its table it prints,
+per drafter and concurrency, the mix: the geometric mean over the kinds of tokens/s ÷ alone, and the
+worst kind. The draft service's default drafter is the one with the best mix (docs/drafters.md).
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
-import tempfile
-from dataclasses import dataclass
+import math
 from pathlib import Path
 
-from bench.prompt_set import KINDS
-from bench.serve import DRAFTERS, EAGLE3, eagle3_drafter_flags
-from bench.versus_vllm import generate_all, prompt_ids
-from tandem.launch import ServiceProcess
-from tandem.metrics_scrape import metric, scrape
-from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
-
-@dataclass(frozen=True, slots=True)
-class PairRow:
-    kind: str
-    drafter: str
-    alone_tok_s: float
-    pair_tok_s: float
-    mal: float
-    miss_share: float
-    identical: int
-    prompts: int
-
-    def format(self) -> str:
-        return (f"| {self.kind} | {self.drafter} | {self.alone_tok_s:.1f} | {self.pair_tok_s:.1f} | "
-                f"{self.pair_tok_s / self.alone_tok_s:.2f} | {self.mal:.2f} | {self.miss_share:.0%} | "
-                f"{self.identical}/{self.prompts} |")
+from bench import network
 
 
-def drafter_flags(drafter: str, args: argparse.Namespace) -> list[str]:
-    """The draft service's flags for one drafter kind."""
-    if drafter == EAGLE3:
-        return eagle3_drafter_flags(args.eagle_head, args.model)
-    draft_model = args.draft_model if "model" in drafter else args.model  # lookup drafters: its tokenizer
-    return ["--model", draft_model, "--drafter", drafter]
+def mix(rows: list[dict]) -> list[dict]:
+    """Per (drafter, concurrency): the geometric mean of tokens/s ÷ alone over the kinds, and the worst kind."""
+    mixes = []
+    for config, concurrency in dict.fromkeys((r["config"], r["concurrency"]) for r in rows if r["config"] != network.ALONE):
+        mine = [r for r in rows if (r["config"], r["concurrency"]) == (config, concurrency)]
+        worst = min(mine, key=lambda r: r["vs_alone"])
+        mixes.append({"config": config, "concurrency": concurrency,
+                      "mix": math.exp(sum(math.log(r["vs_alone"]) for r in mine) / len(mine)),
+                      "worst": worst["vs_alone"], "worst_kind": worst["kind"],
+                      "identical": sum(r["identical"] for r in mine), "prompts": sum(r["prompts"] for r in mine)})
+    return mixes
 
 
-def measure(kind: str, drafter: str, args: argparse.Namespace, logs: Path) -> PairRow:
-    prompts = prompt_ids(args.num_prompts + 2, kind, args.model)
-    measured, warm = prompts[: args.num_prompts], prompts[args.num_prompts :]
-    draft = ServiceProcess("draft_service", [*drafter_flags(drafter, args), "--threads", "1"],
-                           log_path=logs / f"draft-{kind}-{drafter}.log").start()
-    target = ServiceProcess("target_service", ["--model", args.model, "--dtype", args.dtype, "--threads", "1",
-                                               "--drafter", draft.address],
-                            log_path=logs / f"target-{kind}-{drafter}.log").start()
-    try:
-        draft.wait_healthy(300)
-        target.wait_healthy(300)
-        target.wait_metric("tandem_drafter_connected", 1.0)
-        asyncio.run(generate_all(target.address, warm, 32, True, False))
-        alone_s, alone = asyncio.run(generate_all(target.address, measured, args.max_tokens, False, False))
-        before = scrape(target.metrics_url)
-        pair_s, paired = asyncio.run(generate_all(target.address, measured, args.max_tokens, True, False))
-        after = scrape(target.metrics_url)
-    finally:
-        target.terminate(10)
-        draft.terminate(10)
-
-    def delta(name: str) -> float:
-        return metric(after, name) - metric(before, name)
-
-    steps, misses = delta("tandem_spec_decode_num_drafts_total"), delta("tandem_draft_miss_total")
-    return PairRow(kind, drafter, sum(map(len, alone)) / alone_s, sum(map(len, paired)) / pair_s,
-                   1 + delta("tandem_spec_decode_num_accepted_tokens_total") / max(1.0, steps),
-                   misses / max(1.0, steps + misses), sum(a == p for a, p in zip(alone, paired)), len(measured))
+def mix_table(mixes: list[dict]) -> str:
+    lines = ["| drafter | c | mix: tokens/s ÷ alone (geometric mean) | worst kind | identical |", "|---|---|---|---|---|"]
+    lines += [f"| {m['config']} | {m['concurrency']} | {m['mix']:.3f} | {m['worst']:.2f} ({m['worst_kind']}) | "
+              f"{m['identical']}/{m['prompts']} |" for m in mixes]
+    return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drafters", nargs="+", choices=(*DRAFTERS, EAGLE3),
-                        default=["suffix", "suffix+model", "model"])
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=["rewrite", "code", "chat"])
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL)
-    parser.add_argument("--eagle-head", help="an EAGLE-3 head folder for --drafters eagle3 (distill --kind eagle3)")
+    parser.add_argument("--drafters", default="ngram,suffix,suffix+model,model")
+    parser.add_argument("--kinds", default="chat,code,rewrite")
+    parser.add_argument("--num-prompts", default="6", help="per kind")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--max-tokens", default="128")
+    parser.add_argument("--eagle-head", help="an EAGLE-3 head folder for the drafter eagle3 (distill --kind eagle3)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "pair_kinds")
     args = parser.parse_args(argv)
-    if EAGLE3 in args.drafters and not args.eagle_head:
-        parser.error("--drafters eagle3 needs --eagle-head")
-    logs = Path(tempfile.mkdtemp(prefix="tandem-pair-kinds-"))
-    print(f"{args.model} {args.dtype}, 1 + 1 threads, {args.num_prompts} prompts per kind, greedy, "
-          f"{args.max_tokens} max tokens, one at a time (logs: {logs})")
-    print("| prompts | drafter | alone tok/s | pair tok/s | pair / alone | MAL | misses | identical |")
-    print("|---|---|---|---|---|---|---|---|")
-    for kind in args.kinds:
-        for drafter in args.drafters:
-            print(measure(kind, drafter, args, logs).format(), flush=True)
+    listed = args.drafters.split(",")
+    drafters = ",".join(listed + [network.EAGLE3] if args.eagle_head and network.EAGLE3 not in listed else listed)
+    rows = network.main(["--rtts", network.LOOPBACK, "--drafters", drafters, "--kinds", args.kinds,
+                         "--num-prompts", args.num_prompts, "--concurrency", args.concurrency,
+                         "--max-tokens", args.max_tokens, "--out", str(args.out),
+                         *(["--eagle-head", args.eagle_head] if args.eagle_head else [])])
+    mixes = mix(rows)
+    table = mix_table(mixes)
+    with args.out.with_suffix(".md").open("a") as out:
+        out.write("\n" + table + "\n")
+    print(table)
+    return mixes
 
 
 if __name__ == "__main__":
