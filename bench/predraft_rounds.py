@@ -82,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     slots = max(args.sequences) * (args.k + 2)  # each sequence's own slot and one per outcome
     log = Path(tempfile.mkdtemp()) / "draft.log"
-    draft = ServiceProcess("draft_service", ["--model", args.model, "--threads", str(args.threads),
+    draft = ServiceProcess("draft_service", ["--drafter", "model", "--model", args.model, "--threads", str(args.threads),
                                              "--num-slots", str(slots), "--max-k", str(args.k), "--max-model-len",
                                              str(args.context + 2 * args.steps + 2 * args.k + 8)], log_path=log)
     try:

@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="tandem-prefix-cache-"))
     variants = (("cache on", []), ("cache off", ["--no-prefix-caching"]))
-    drafters = {name: ServiceProcess("draft_service", ["--model", args.draft_model, "--threads", "1", *flags],
+    drafters = {name: ServiceProcess("draft_service", ["--drafter", "model", "--model", args.draft_model,
+                                                       "--threads", "1", *flags],
                                      log_path=logs / f"{name} drafter.log").start()
                 for name, flags in variants if args.pair}
     processes = {name: ServiceProcess("target_service", [

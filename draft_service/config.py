@@ -23,7 +23,7 @@ class DraftConfig:
     host: str = "127.0.0.1"
     port: int = 50052
     metrics_port: int = 9092  # 0 turns /metrics off
-    drafter: str = "model"  # one of DRAFTER_KINDS
+    drafter: str = "suffix"  # one of DRAFTER_KINDS; the best mix measured (docs/drafters.md, Which drafter by default)
     model: str = DEFAULT_DRAFT_MODEL
     drafter_target: str = ""  # a drafter file's target checkpoint; empty: the one the file names
     device: str = "cpu"
@@ -82,8 +82,8 @@ HELP = {
                "else the model) or eagle3 (an EAGLE-3 head that reads the target's features: --model is its "
                "folder, --drafter-target its target checkpoint)",
     "model": "embedded name (smollm2-135m-draft, the distilled drafter; smollm2-135m), a .gguf file, an HF "
-             "folder, or a drafter file from python -m training; the ngram drafter loads only "
-             "its tokenizer, to report the vocabulary",
+             "folder, or a drafter file from python -m training; the lookup drafters (ngram, suffix) load "
+             "only its tokenizer, to report the vocabulary",
     "drafter_target": "for a distilled drafter file: the target checkpoint whose embedding and head rows "
                       "it uses (its fingerprint must match); empty: the target the file names. For an EAGLE-3 "
                       "head (required): the target whose features it reads",

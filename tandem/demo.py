@@ -27,7 +27,7 @@ PROMPT = ("Correct any mistakes in the following text and return the full correc
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--drafter", choices=["model", "ngram", "suffix", "suffix+model"],
-                        default="suffix+model", help="the draft service's --drafter (docs/drafters.md)")
+                        default="suffix", help="the draft service's --drafter (docs/drafters.md)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target")
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL,
                         help="the model drafter's model: the distilled drafter by default")

@@ -29,7 +29,7 @@ def test_every_field_is_a_flag():
 def test_defaults(capsys):
     config = parse_config([])
     assert (config.port, config.metrics_port, config.drafter, config.model, config.threads, config.max_k) \
-        == (50052, 9092, "model", "smollm2-135m-draft", 1, 8)
+        == (50052, 9092, "suffix", "smollm2-135m-draft", 1, 8)
     with pytest.raises(SystemExit) as exit_info:
         parse_config(["--help"])
     assert exit_info.value.code == 0

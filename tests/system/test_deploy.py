@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from draft_service.config import DraftConfig
 from tests.support.service_fixtures import PROMPTS, greedy_request, run_requests
 from tandem.launch import ServiceProcess, free_port
 from tandem.registry import DEFAULT_DRAFT_MODEL
@@ -72,6 +73,9 @@ def test_compose_file_validates_with_healthchecks_and_monitoring(name):
         assert "--host=0.0.0.0" in services[service]["command"]
     assert services["target"]["depends_on"] == {"draft": {"condition": "service_healthy"}}
     assert "--drafter=draft:50052" in services["target"]["command"]
+    # The default drafter; on GPUs with the draft model on its own GPU behind it.
+    drafter = DraftConfig().drafter + ("+model" if name == "docker-compose.yml" else "")
+    assert f"--drafter={drafter}" in services["draft"]["command"]
     mounts = {volume.split(":")[1]: volume.split(":")[0]
               for s in ("prometheus", "grafana") for volume in services[s]["volumes"]}
     assert mounts["/etc/prometheus"] == str(PROMETHEUS_DIR)

@@ -21,6 +21,7 @@ from target_service.metrics import TargetMetrics
 K8S = Path(__file__).parents[2] / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
 KUBERNETES_VERSION = "1.32.0"
+GPU_DRAFTER = f"{DraftConfig().drafter}+model"  # the default, then the model on the drafter's GPU
 SERVICES = {"tandem-target": (TargetConfig(), "target_service"), "tandem-draft": (DraftConfig(), "draft_service")}
 
 
@@ -87,6 +88,13 @@ def test_config_map_holds_every_variable_the_args_use(objects):
         assert container["envFrom"] == [{"configMapRef": {"name": "tandem-config"}}]
         used = {v for arg in container["args"] for v in re.findall(r"\$\((\w+)\)", arg)}
         assert used <= set(data), used - set(data)
+
+
+def test_cpu_pods_draft_with_the_default_drafter_and_gpu_pods_put_their_model_behind_it():
+    configs = {overlay: next(d["data"] for d in _render(overlay) if d["metadata"]["name"] == "tandem-config")
+               for overlay in OVERLAYS}
+    drafters = {overlay: config["DRAFTER_KIND"] for overlay, config in configs.items()}
+    assert drafters == {"cpu": DraftConfig().drafter, "gpu": GPU_DRAFTER}
 
 
 def test_targets_resolve_every_drafter_through_the_headless_service(objects):

@@ -65,8 +65,8 @@ def tiny_pair(tiny_models, request):
         draft_model = write_tiny_drafter(root / "drafter.safetensors", target_model, draft_model,
                                          list(range(4, 28)))
     slots = ["--num-slots", "160", "--predraft-guesses", "4"] if request.param == "cached" else ["--num-slots", "64"]
-    draft = service_process("draft_service", ["--model", str(draft_model), "--max-model-len", "64", *slots,
-                                             "--max-k", "4", "--probs-top-k", "4"],
+    draft = service_process("draft_service", ["--drafter", "model", "--model", str(draft_model), "--max-model-len", "64",
+                                             *slots, "--max-k", "4", "--probs-top-k", "4"],
                            log_path=root / "draft.log").start()
     # Pre-drafts must be ready within a step: at 16 sequences the drafter keeps up; synchronous
     # pairs batch more, for fewer steps.
