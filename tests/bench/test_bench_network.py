@@ -1,0 +1,27 @@
+"""bench.network's rows: the ratios a configuration is judged by, from what its requests did."""
+from __future__ import annotations
+
+import pytest
+
+from bench import network
+from bench.scrape import COUNTERS
+
+
+def _cell(config: str, seconds: float, ttfts: list[float], decode_rates: list[float], **counters: float) -> network.Cell:
+    cell = network.Cell(network.LOOPBACK, "rewrite", 8, config, tokens=200, seconds=seconds, ttfts=ttfts,
+                        decode_rates=decode_rates, outputs={"a": [1, 2], "b": [3]})
+    cell.counters = {name: 0.0 for name in COUNTERS} | counters
+    return cell
+
+
+def test_a_row_sets_the_streams_decode_rate_apart_from_the_groups_wall_time():
+    alone = _cell(network.ALONE, 10.0, [1.0, 3.0], [20.0, 30.0])
+    # Slower prefills made the group's wall time longer, while each stream decoded faster.
+    pair = _cell("suffix", 12.5, [2.0, 4.0], [30.0, 30.0], drafts=10, accepted_tokens=12,
+                 step_decode_count=20, step_verify_count=10)
+    row = network.row(pair, alone, {"target": 1.0})
+    assert row["vs_alone"] == pytest.approx(0.8)
+    assert row["decode_vs_alone"] == pytest.approx(1.2)
+    assert row["ttft_vs_alone"] == pytest.approx(1.5)
+    assert row["mal"] == pytest.approx(2.2)
+    assert "| 0.80 | 1.20 | 2.20 |" in network.markdown([row])
