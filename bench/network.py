@@ -14,8 +14,8 @@ falls on all alike. Greedy, so a pair's outputs must equal the target alone's.
 
 Per phase, kind, concurrency and configuration it reports: tokens/s and its ratio to the target
 alone of the same phase; the mean of each stream's decode rate (tokens after its first, per second
-after it: what speculation speeds up, free of the prefills' spread) against alone's; MAL (tokens per verify step with drafts), TTFT p50 and its ratio, the
-mean draft round trip the target measured, time waited for drafts per decode step, the shares of
+after it: what speculation speeds up, free of the prefills' spread) against alone's; MAL (tokens
+per verify step with drafts), TTFT p50 and its ratio, the mean draft round trip the target measured, time waited for drafts per decode step, the shares of
 steps that missed drafts or salvaged stale ones, dropped stale proposals, the tokens the speed
 guard counted as gained less those lost against the target alone, how many outputs equal
 the target alone's, and the CPU seconds of each process over the phase. Writes a markdown table,
@@ -37,9 +37,9 @@ import grpc
 
 from bench.delay_proxy import ProxyProcess
 from bench.load import build_request
-from bench.prompt_set import Prompt, load_prompts
+from bench.prompt_set import KINDS, Prompt, load_prompts
 from bench.scrape import counters, delta
-from bench.serve import EAGLE3, eagle3_drafter_flags
+from bench.serve import DRAFTERS, EAGLE3, eagle3_drafter_flags
 from tandem.client import generate
 from tandem.launch import ServiceProcess
 from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
@@ -201,7 +201,8 @@ def row(cell: Cell, alone: Cell, cpu: dict[str, float]) -> dict:
         "phase": cell.phase, "kind": cell.kind, "concurrency": cell.concurrency, "config": cell.config,
         "tok_s": cell.tok_s, "vs_alone": cell.tok_s / alone.tok_s,
         # What speculation speeds up, without the prefills' run-to-run spread: a stream's rate after its first token.
-        "decode_vs_alone": statistics.mean(cell.decode_rates) / statistics.mean(alone.decode_rates),
+        "decode_vs_alone": (statistics.mean(cell.decode_rates) / statistics.mean(alone.decode_rates)
+                            if cell.decode_rates and alone.decode_rates else None),
         "mal": 1 + c["accepted_tokens"] / c["drafts"] if c["drafts"] else None,
         "ttft_p50_ms": ttft * 1000, "ttft_vs_alone": ttft / statistics.median(alone.ttfts),
         "draft_rtt_ms": 1000 * c["draft_rtt_sum"] / c["draft_rtt_count"] if c["draft_rtt_count"] else None,
@@ -229,7 +230,8 @@ def markdown(rows: list[dict]) -> str:
         cpu = " / ".join(_fmt(r["cpu_s"].get(role), ".1f") for role in ("target", "draft", "proxy"))
         lines.append(
             f"| {r['phase']} | {r['kind']} | {r['concurrency']} | {r['config']} | {r['tok_s']:.1f} | "
-            f"{r['vs_alone']:.2f} | {r['decode_vs_alone']:.2f} | {_fmt(r['mal'], '.2f')} | {r['ttft_p50_ms']:.0f} ({r['ttft_vs_alone']:.2f}) | "
+            f"{r['vs_alone']:.2f} | {_fmt(r['decode_vs_alone'], '.2f')} | {_fmt(r['mal'], '.2f')} | "
+            f"{r['ttft_p50_ms']:.0f} ({r['ttft_vs_alone']:.2f}) | "
             f"{_fmt(r['draft_rtt_ms'], '.1f')} | {_fmt(r['wait_ms_per_step'], '.2f')} | {_fmt(r['missed'], '.0%')} | "
             f"{_fmt(r['salvaged'], '.0%')} | {r['dropped']} | {r['guard_net_tokens']:+.0f} | "
             f"{r['identical']}/{r['prompts']} | {cpu} |")
@@ -283,6 +285,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.drafters = args.drafters.split(",")
     args.kinds = args.kinds.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    for name, given, known in (("--drafters", args.drafters, (*DRAFTERS, EAGLE3)), ("--kinds", args.kinds, KINDS)):
+        if unknown := [g for g in given if g not in known]:
+            parser.error(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     if EAGLE3 in args.drafters and not args.eagle_head:
         parser.error("the drafter eagle3 needs --eagle-head")
     return args

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 from bench import network
+from bench.serve import EAGLE3
 
 
 def mix(rows: list[dict]) -> list[dict]:
@@ -48,9 +49,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--eagle-head", help="an EAGLE-3 head folder for the drafter eagle3 (distill --kind eagle3)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "pair_kinds")
     args = parser.parse_args(argv)
-    listed = args.drafters.split(",")
-    drafters = ",".join(listed + [network.EAGLE3] if args.eagle_head and network.EAGLE3 not in listed else listed)
-    rows = network.main(["--rtts", network.LOOPBACK, "--drafters", drafters, "--kinds", args.kinds,
+    drafters = args.drafters.split(",")
+    if args.eagle_head and EAGLE3 not in drafters:
+        drafters.append(EAGLE3)
+    rows = network.main(["--rtts", network.LOOPBACK, "--drafters", ",".join(drafters), "--kinds", args.kinds,
                          "--num-prompts", args.num_prompts, "--concurrency", args.concurrency,
                          "--max-tokens", args.max_tokens, "--out", str(args.out),
                          *(["--eagle-head", args.eagle_head] if args.eagle_head else [])])

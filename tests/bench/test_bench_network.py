@@ -25,3 +25,11 @@ def test_a_row_sets_the_streams_decode_rate_apart_from_the_groups_wall_time():
     assert row["ttft_vs_alone"] == pytest.approx(1.5)
     assert row["mal"] == pytest.approx(2.2)
     assert "| 0.80 | 1.20 | 2.20 |" in network.markdown([row])
+
+
+@pytest.mark.parametrize("flags, named", [(["--kinds", "chat,poetry"], "poetry"), (["--drafters", "suffix,medusa"], "medusa")])
+def test_an_unknown_kind_or_drafter_is_refused_before_any_service_starts(flags, named, capsys):
+    with pytest.raises(SystemExit) as refused:
+        network.parse_args(flags)
+    assert refused.value.code == 2
+    assert f"unknown {named}" in capsys.readouterr().err

@@ -53,8 +53,9 @@ def tiny_pair(tiny_models, request):
     synchronously, every draft. "cached" runs the asynchronous default, where steps also verify
     pre-drafts from the speculation cache: its drafter is the target's own model (so that its
     guesses of the committed tokens are sometimes right), with slots for every outcome of 16
-    sequences at 4 guesses, and each target step lasts 40 ms, as a larger target's would, so that
-    the pre-drafts are ready in time; it reaches its drafter through the delay proxy, 1 ms each way
+    sequences at 4 guesses, and each target step lasts 60 ms, as a larger target's would, so that
+    the pre-drafts are ready in time even while the rest of `make test` loads the 2 cores (at 40 ms,
+    118 and 120 steps of 1,500 verified pre-drafts in two full runs on a slow box); it reaches its drafter through the delay proxy, 1 ms each way
     with up to 1 ms of jitter, as across nodes."""
     root, target_model, draft_model = tiny_models
     root = root / request.param
@@ -70,7 +71,7 @@ def tiny_pair(tiny_models, request):
                            log_path=root / "draft.log").start()
     # Pre-drafts must be ready within a step: at 16 sequences the drafter keeps up; synchronous
     # pairs batch more, for fewer steps.
-    mode = (["--min-step-ms", "40", "--max-num-seqs", "16"] if request.param == "cached"
+    mode = (["--min-step-ms", "60", "--max-num-seqs", "16"] if request.param == "cached"
             else ["--sync-speculation", "--max-num-seqs", "64"])
     link = draft
     if request.param == "cached":
