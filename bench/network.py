@@ -1,6 +1,6 @@
 """The pair against the target alone across a network we set: loopback, then round trips of 0 to 40 ms.
 
-    python -m bench.network [--rtts loopback,0,1,4,10,40] [--drafters model,suffix+model]
+    python -m bench.network [--rtts loopback,0,1,4,10,40] [--drafters model,suffix+model,suffix/max-predraft-depth=1]
                             [--kinds chat,rewrite] [--num-prompts 8] [--concurrency 1,8]
                             [--max-tokens 128] [--jitter-ms 0] [--eagle-head HEAD]
                             [--out bench/results/network]
@@ -116,15 +116,18 @@ def groups(prompts: list[Prompt], concurrency: int) -> list[list[Prompt]]:
 
 
 def drafter_flags(drafter: str, args: argparse.Namespace) -> list[str]:
-    """The draft service's flags for one drafter kind."""
-    if drafter == EAGLE3:
-        return eagle3_drafter_flags(args.eagle_head, args.model)
-    draft_model = args.draft_model if "model" in drafter else args.model  # lookup drafters load its tokenizer
-    return ["--model", draft_model, "--drafter", drafter]
+    """The draft service's flags for one drafter: its kind, then any flag=value after a '/' each
+    (suffix/max-predraft-depth=1), so that settings of one drafter run side by side."""
+    kind, *settings = drafter.split("/")
+    extra = [part for setting in settings for part in (f"--{setting.partition('=')[0]}", setting.partition("=")[2])]
+    if kind == EAGLE3:
+        return [*eagle3_drafter_flags(args.eagle_head, args.model), *extra]
+    draft_model = args.draft_model if "model" in kind else args.model  # lookup drafters load its tokenizer
+    return ["--model", draft_model, "--drafter", kind, *extra]
 
 
 def start_pair(drafter: str, link: str, args: argparse.Namespace, logs: Path) -> Service:
-    tag = f"{drafter}-{link}".replace("+", "_")
+    tag = f"{drafter}-{link}".translate(str.maketrans("+/=", "___"))
     draft = ServiceProcess("draft_service", [*drafter_flags(drafter, args), "--threads", "1"],
                            log_path=logs / f"draft-{tag}.log").start()
     proxy = None
@@ -285,10 +288,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.drafters = args.drafters.split(",")
     args.kinds = args.kinds.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    for name, given, known in (("--drafters", args.drafters, (*DRAFTERS, EAGLE3)), ("--kinds", args.kinds, KINDS)):
+    kinds_of_drafters = [drafter.split("/")[0] for drafter in args.drafters]
+    for name, given, known in (("--drafters", kinds_of_drafters, (*DRAFTERS, EAGLE3)), ("--kinds", args.kinds, KINDS)):
         if unknown := [g for g in given if g not in known]:
             parser.error(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
-    if EAGLE3 in args.drafters and not args.eagle_head:
+    if EAGLE3 in kinds_of_drafters and not args.eagle_head:
         parser.error("the drafter eagle3 needs --eagle-head")
     return args
 

@@ -10,6 +10,7 @@ import torch
 from tandem_kernels.compression import DEFAULT_TOP_K, MAX_VOCAB
 from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
+from tandem.protos import MAX_PREDRAFT_DEPTH
 from tandem.registry import DEFAULT_DRAFT_MODEL
 from tandem.runtime import resolve_dtype
 from tandem.tls import ServerTls
@@ -37,6 +38,7 @@ class DraftConfig:
     max_k: int = 8
     max_fanout: int = -1  # outcomes pre-drafted per proposal at most; -1: all, 0: off
     predraft_guesses: int = 3  # guesses at each recovered token, each an outcome to pre-draft
+    max_predraft_depth: int = 4  # verifications ahead that pre-drafts reach at most, over a long link
     probs_top_k: int = DEFAULT_TOP_K
     ngram_min_n: int = 1
     ngram_max_n: int = 4
@@ -109,6 +111,10 @@ HELP = {
     "predraft_guesses": "pre-drafting: how many of its most likely tokens the model drafter tries as the token the "
                         "target emits after rejecting a draft, each an outcome of its own (best expected gain "
                         "first); the bonus token gets one guess",
+    "max_predraft_depth": "pre-drafting: how many verifications ahead the drafter pre-drafts at most. It pre-drafts "
+                          "as many as a target's draft round trip spans of its step interval (both sent by the "
+                          "target), so that the drafts for a step reach the target before it starts over a long "
+                          "link; 1: only the outcomes of the proposal under verification",
     "probs_top_k": "K of the compressed draft probabilities sent for sampled requests (model drafter)",
     "ngram_min_n": "the shortest trailing n-gram that the ngram drafter looks up",
     "ngram_max_n": "the longest trailing n-gram that the ngram drafter looks up",
@@ -140,6 +146,7 @@ _RANGES = {
     "max_k": (1, None),
     "max_fanout": (-1, None),
     "predraft_guesses": (1, 16),
+    "max_predraft_depth": (1, MAX_PREDRAFT_DEPTH),
     "probs_top_k": (1, MAX_VOCAB),
     "ngram_min_n": (1, None),
     "ngram_max_n": (1, None),

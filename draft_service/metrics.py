@@ -77,6 +77,9 @@ class DraftMetrics:
             "tandem_draft_fanout", "Outcomes of one proposal pre-drafted in a round, per sequence", FANOUT_BUCKETS)
         self.fanout_limit = gauge(
             "tandem_draft_fanout_limit", "Outcomes per proposal the drafter's spare time allows now")
+        self.predraft_depth = gauge(
+            "tandem_draft_predraft_depth",
+            "Verifications ahead the drafter last pre-drafted for a target: its round trip over its step time")
         self.predraft_cancelled = by_label(
             "tandem_draft_predraft_cancelled", "Pre-drafts an Extend made moot before they were sent",
             "stage", CANCEL_STAGES)

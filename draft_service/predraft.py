@@ -10,12 +10,21 @@ the tokens that continue C + d1..dj + b and sends them as an ordinary proposal w
 are d1..dj, b. When the next Extend commits exactly those tokens, the target already holds drafts
 for its new prefix, and the drafter goes straight on to the outcomes of that proposal.
 
+Over a long link one verification ahead is too few: a pre-draft made when an Extend arrives reaches
+the target a round trip later, after the step it was made for has started. So the drafter pre-drafts
+the outcomes of its pre-drafts too, as many verifications ahead as the target's draft round trip
+spans of its step interval (both sent with every update), at most --max-predraft-depth: a tree of
+proposals whose root is the one under verification. When an Extend commits one of them, its
+subtree stays sent and only the next level is drafted.
+
 Which outcomes: the expected gain of (j, b) is P(j) x P(b right | j), with P(j) = alpha^j (1 - alpha)
 for j < k and alpha^k for j = k; alpha is the per-draft acceptance the drafter measures from the
 Extends it receives (how many leading drafts were committed). For a recovered token, P(b right) is
 the drafter's own probability of b given that d(j+1) was rejected, scaled by how often its guesses
 have been right against how often it expected them to be; for the bonus token, its measured hit
-rate, optimistic until measured. How many: `Fanout`, from the drafter's spare time.
+rate, optimistic until measured. Deeper in the tree an outcome's gain is multiplied by its
+proposal's (the chance that the target verifies that proposal at all). How many: `Fanout`, from
+the drafter's spare time, per round; a round drafts one more level of the tree.
 
 Lossless, as any proposal. A pre-draft's drafts are drawn like a fresh proposal's: from the q' it
 sends, with the drafter's own salt, keyed by (seed, position), or greedily, or with the shared
@@ -26,7 +35,9 @@ L+j (the drafts it accepted and the one it rejected), never at positions >= L+j+
 pre-draft's drafts are drawn; and which outcomes the drafter covered depends on the gains and on
 d1..d(j+1), not on drafts beyond them. So given the committed prefix, the chosen proposal's drafts
 are draws from its q' rows, independent of the verifier's noise: the premise of rejection
-sampling, exactly as for a fresh proposal.
+sampling, exactly as for a fresh proposal. A pre-draft deeper in the tree assumes the outcomes of
+several verifications; each looked at noise only up to the last token it committed, and the tree's
+shape depends on its ancestors' drafts, at assumed positions: the same argument, step by step.
 """
 from __future__ import annotations
 
@@ -77,15 +88,6 @@ class OutcomeModel:
         return alpha**accepted * (1 - alpha) * min(1.0, guess.probability * calibration)
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One way the verification of a proposal may end: `accepted` drafts committed, then `next_token`."""
-
-    accepted: int
-    next_token: int | None  # None: all drafts accepted; the drafter guesses the bonus token as it pre-drafts
-    gain: float
-
-
 @dataclass(slots=True)
 class SentProposal:
     """A proposal the target holds: drafts for the prefix `tokens` (committed tokens, then assumed ones)."""
@@ -93,6 +95,19 @@ class SentProposal:
     tokens: list[int]
     drafts: list[int]
     recovered_guesses: list[list[Guess]]  # per draft, best first
+    depth: int = 0  # verifications after the current proposal's before the target would verify it
+    gain: float = 1.0  # the chance, as the drafter expects, that the target verifies it after the current one
+    expanded: bool = False  # some of its outcomes were pre-drafted (or are pending)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One way the verification of `parent` may end: `accepted` drafts committed, then `next_token`."""
+
+    parent: SentProposal
+    accepted: int
+    next_token: int | None  # None: all drafts accepted; the drafter guesses the bonus token as it pre-drafts
+    gain: float  # the parent's gain times this outcome's chance given the parent
 
 
 @dataclass(slots=True)
@@ -120,10 +135,9 @@ class Fanout:
 class SequenceState:
     sequence: DraftSequence
     current: SentProposal | None = None  # the proposal for the committed tokens, which the target verifies
-    predrafts: list[SentProposal] = field(default_factory=list)  # sent for current's outcomes
-    bonus_guess: int | None = None  # current's guess at the bonus token, once that outcome is pre-drafted
-    pending: list[Outcome] = field(default_factory=list)  # current's outcomes that wait for a pre-draft round
-    in_flight: list[int] | None = None  # the committed tokens of a running pre-draft round for it
+    predrafts: list[SentProposal] = field(default_factory=list)  # sent for current's outcomes, and theirs
+    pending: list[Outcome] = field(default_factory=list)  # outcomes that wait for a pre-draft round
+    in_flight: list[Outcome] = field(default_factory=list)  # outcomes a running pre-draft round drafts
     predrafted_at: float | None = None  # when its last pre-draft round ended
     predraft_round_s: float = 0.0
     predraft_outcomes: int = 0
@@ -137,14 +151,27 @@ class Predrafter:
     pre-draft round; `on_drafted` and `on_predrafted` as it delivers a round's proposals.
     """
 
-    def __init__(self, max_fanout: int, metrics: DraftMetrics):
+    def __init__(self, max_fanout: int, metrics: DraftMetrics, max_depth: int = 1):
+        """max_depth: verifications ahead to pre-draft at most, however long the round trip."""
         self.fanout = Fanout(max_fanout)
         self.model = OutcomeModel()
+        self.max_depth = max_depth
         self._metrics = metrics
         self._states: dict[SeqKey, SequenceState] = {}
         self._pending: dict[SeqKey, SequenceState] = {}
-        self._in_flight: list[SequenceState] = []
+        self._in_flight: dict[int, tuple[SequenceState, Outcome]] = {}  # by id() of the round's jobs
+        self._depths: dict[int, int] = {}  # by stream: verifications ahead its target's timing asks for
         metrics.fanout_limit.set(self.fanout.limit)
+
+    def on_timing(self, stream_id: int, round_trip_s: float, step_s: float) -> None:
+        """A target's draft round trip and step interval: pre-drafts made as an Extend arrives reach
+        it a round trip later, so they are for the verification that many steps on, and the ones before."""
+        depth = 1 if step_s <= 0 else min(self.max_depth, 1 + int(round_trip_s // step_s))
+        self._depths[stream_id] = depth
+        self._metrics.predraft_depth.set(depth)
+
+    def close_stream(self, stream_id: int) -> None:
+        self._depths.pop(stream_id, None)
 
     def open(self, sequence: DraftSequence) -> None:
         self._states[sequence.key] = SequenceState(sequence)
@@ -159,13 +186,16 @@ class Predrafter:
     def on_extend(self, sequence: DraftSequence, start: int, token_ids: list[int], now: float) -> None:
         """Before the tokens change: measure the outcome, adjust the fan-out, cancel the moot pre-drafts."""
         state = self._states[sequence.key]
-        if state.pending or state.in_flight is not None:
-            self.fanout.on_late()
-        elif state.predrafted_at is not None:
+        undone = (*state.pending, *state.in_flight)
+        if any(outcome.parent is state.current for outcome in undone):
+            self.fanout.on_late()  # this verification's outcomes were not all drafted yet
+        elif not undone and state.predrafted_at is not None:  # deeper levels undone: not late, not spare
             self.fanout.on_spare(now - state.predrafted_at, state.predraft_round_s, state.predraft_outcomes)
         self._metrics.fanout_limit.set(self.fanout.limit)
         if state.pending:
             self._metrics.predraft_cancelled["pending"].inc(len(state.pending))
+            for outcome in state.pending:  # planned anew from wherever the Extend leaves the tree
+                outcome.parent.expanded = False
             state.pending = []
             del self._pending[sequence.key]
         state.predrafted_at = None
@@ -188,8 +218,16 @@ class Predrafter:
             if guesses:
                 self.model.recovered_expected.observe(sum(g.probability for g in guesses), 1)
                 self._count_guess("recovered", self.model.recovered_hits, actual in [g.token for g in guesses])
-        elif accepted == len(drafts) and state.bonus_guess is not None:
-            self._count_guess("bonus", self.model.bonus_hits, actual == state.bonus_guess)
+        elif accepted == len(drafts) and (guess := self._bonus_guess(state)) is not None:
+            self._count_guess("bonus", self.model.bonus_hits, actual == guess)
+
+    @staticmethod
+    def _bonus_guess(state: SequenceState) -> int | None:
+        """The current proposal's guess at its bonus token, once that outcome is pre-drafted."""
+        accepted = state.current.tokens + state.current.drafts
+        n = len(accepted)
+        return next((p.tokens[n] for p in state.predrafts if len(p.tokens) == n + 1 and p.tokens[:n] == accepted),
+                    None)
 
     def _count_guess(self, kind: str, rate: Rate, right: bool) -> None:
         rate.observe(right, 1)
@@ -202,10 +240,18 @@ class Predrafter:
         it now, so its outcomes are what to pre-draft next."""
         state = self._states[sequence.key]
         covering = next((p for p in state.predrafts if p.tokens == sequence.tokens), None)
-        self._make_current(state, covering)
-        if covering is not None:
-            self._metrics.predraft_hits.inc()
-        return covering is not None
+        if covering is None:
+            self._make_current(state, None)
+            return False
+        self._metrics.predraft_hits.inc()
+        n = len(covering.tokens)
+        subtree = [p for p in state.predrafts if len(p.tokens) > n and p.tokens[:n] == covering.tokens]
+        for p in subtree:  # now counted from the covering proposal, which the target verifies next
+            p.depth -= covering.depth
+            p.gain /= max(covering.gain, 1e-12)
+        covering.depth, covering.gain = 0, 1.0
+        self._make_current(state, covering, subtree)
+        return True
 
     def pause(self, sequence: DraftSequence) -> None:
         """The target wants no drafts of this sequence for now: no proposal of it is current, none pending."""
@@ -219,74 +265,98 @@ class Predrafter:
         proposal = SentProposal(job.tokens, draft.token_ids, draft.recovered_guesses) if draft else None
         self._make_current(state, proposal if draft and draft.token_ids else None)
 
-    def _make_current(self, state: SequenceState, proposal: SentProposal | None) -> None:
-        state.current, state.predrafts, state.bonus_guess, state.pending = proposal, [], None, []
+    def _make_current(self, state: SequenceState, proposal: SentProposal | None,
+                      subtree: list[SentProposal] | None = None) -> None:
+        """subtree: the sent pre-drafts that continue `proposal`, still held by the target."""
+        state.current, state.predrafts, state.pending = proposal, subtree or [], []
         self._pending.pop(state.sequence.key, None)
-        if proposal is None or not state.sequence.accepts_assumed or not self.fanout.limit:
+        if proposal is not None:
+            self._plan(state, [proposal, *state.predrafts])
+
+    def _plan(self, state: SequenceState, candidates: list[SentProposal]) -> None:
+        """Pend the best outcomes of the candidates not yet expanded that the target would verify
+        before the depth its timing asks for."""
+        if not state.sequence.accepts_assumed or not self.fanout.limit:
             return
-        state.pending = self._outcomes(proposal)[: self.fanout.limit]
-        self._pending[state.sequence.key] = state
+        depth = self._depths.get(state.sequence.key[0], 1)
+        frontier = [p for p in candidates if not p.expanded and p.depth < depth]
+        outcomes = sorted((o for p in frontier for o in self._outcomes(p)), key=lambda o: -o.gain)
+        state.pending = outcomes[: self.fanout.limit]
+        for outcome in state.pending:
+            outcome.parent.expanded = True
+        if state.pending:
+            self._pending[state.sequence.key] = state
 
     def _outcomes(self, proposal: SentProposal) -> list[Outcome]:
         """Every outcome the drafter can guess, by expected gain (ties: fewer accepted drafts first)."""
         n = len(proposal.drafts)
-        outcomes = [Outcome(j, guess.token, self.model.gain(j, n, guess))
+        outcomes = [Outcome(proposal, j, guess.token, proposal.gain * self.model.gain(j, n, guess))
                     for j, guesses in enumerate(proposal.recovered_guesses[:n]) for guess in guesses
                     if guess.token != proposal.drafts[j]]
-        outcomes.append(Outcome(n, None, self.model.gain(n, n)))
+        outcomes.append(Outcome(proposal, n, None, proposal.gain * self.model.gain(n, n)))
         return sorted(outcomes, key=lambda o: -o.gain)
 
     def take_jobs(self) -> list[DraftJob]:
         """Every pending outcome as a pre-draft job, best expected gain first."""
         scored: list[tuple[float, DraftJob]] = []
         for state in self._pending.values():
-            committed = list(state.sequence.tokens)
-            state.in_flight = committed
-            scored += [(outcome.gain, outcome_job(state.sequence, committed, state.current.drafts, outcome))
-                       for outcome in state.pending]
-            state.pending = []
-            self._in_flight.append(state)
+            for outcome in state.pending:
+                job = outcome_job(state.sequence, len(state.current.tokens), outcome)
+                self._in_flight[id(job)] = state, outcome
+                scored.append((outcome.gain, job))
+            state.in_flight, state.pending = state.pending, []
         self._pending.clear()
         scored.sort(key=lambda pair: -pair[0])
         return [job for _, job in scored]
 
     def on_predrafted(self, drafts: list[Proposal], now: float, round_s: float) -> list[Proposal]:
-        """The round's pre-drafts that are still worth sending: the target has not committed past their
-        known prefix, or it committed exactly their assumed tokens. The others are dropped."""
+        """The round's pre-drafts that are still worth sending: the target has committed a prefix of
+        their tokens (none of them, some, or all), and their proposal is still in the tree. The
+        others are dropped. Then each sequence that stayed where it was plans the tree's next level:
+        the outcomes of the pre-drafts just sent."""
         sent: list[Proposal] = []
         per_sequence: Counter[SeqKey] = Counter()
+        new_level: dict[SeqKey, list[SentProposal]] = {}
         for draft in drafts:
-            state = self._states.get(draft.key)
-            if state is None or state.in_flight is None or not draft.token_ids:
+            state, outcome = self._in_flight.get(id(draft.job), (None, None))
+            if state is None or state.sequence.closed or not draft.token_ids:
                 continue
-            prefix = state.in_flight + draft.assumed_ids
-            if state.sequence.tokens != state.in_flight and state.sequence.tokens != prefix:
+            prefix, committed = draft.prefix, state.sequence.tokens
+            in_tree = any(p is outcome.parent for p in (state.current, *state.predrafts))
+            if not in_tree or prefix[: len(committed)] != committed:
                 self._metrics.predraft_cancelled["drafted"].inc()
                 continue
-            state.predrafts.append(SentProposal(prefix, draft.token_ids, draft.recovered_guesses))
-            if state.current is not None and len(draft.assumed_ids) == len(state.current.drafts) + 1:
-                state.bonus_guess = draft.assumed_ids[-1]
+            node = SentProposal(prefix, draft.token_ids, draft.recovered_guesses, depth=outcome.parent.depth + 1,
+                                gain=outcome.gain)
+            state.predrafts.append(node)
+            new_level.setdefault(draft.key, []).append(node)
             sent.append(draft)
             per_sequence[draft.key] += 1
-        self._end_round(now, round_s, per_sequence)
+        for state in self._end_round(now, round_s, per_sequence):
+            if state.current is not None and state.sequence.tokens == state.current.tokens:
+                self._plan(state, new_level.get(state.sequence.key, []))
         return sent
 
     def on_failed_round(self) -> None:
         self._end_round(None, 0.0, Counter())
 
-    def _end_round(self, now: float | None, round_s: float, per_sequence: Counter[SeqKey]) -> None:
-        for state in self._in_flight:
-            state.in_flight = None
+    def _end_round(self, now: float | None, round_s: float, per_sequence: Counter[SeqKey]) -> list[SequenceState]:
+        """The round's sequences, open ones only, their round ended."""
+        states = list({id(state): state for state, _ in self._in_flight.values()}.values())
+        self._in_flight.clear()
+        for state in states:
+            state.in_flight = []
             state.predrafted_at, state.predraft_round_s = now, round_s
             state.predraft_outcomes = per_sequence[state.sequence.key]
             if now is not None and not state.sequence.closed:
                 self._metrics.fanout.observe(state.predraft_outcomes)
-        self._in_flight = []
+        return [state for state in states if not state.sequence.closed]
 
 
-def outcome_job(sequence: DraftSequence, committed: list[int], drafts: list[int], outcome: Outcome) -> DraftJob:
-    """The pre-draft of one outcome: the committed tokens, the accepted drafts, then the next token."""
-    accepted = drafts[: outcome.accepted]
+def outcome_job(sequence: DraftSequence, known_len: int, outcome: Outcome) -> DraftJob:
+    """The pre-draft of one outcome: its proposal's tokens (the first known_len committed), the
+    accepted drafts, then the next token."""
+    tokens = outcome.parent.tokens + outcome.parent.drafts[: outcome.accepted]
     if outcome.next_token is None:
-        return DraftJob(sequence, committed + accepted, num_assumed=len(accepted), guess_next=True)
-    return DraftJob(sequence, committed + accepted + [outcome.next_token], num_assumed=len(accepted) + 1)
+        return DraftJob(sequence, tokens, num_assumed=len(tokens) - known_len, guess_next=True)
+    return DraftJob(sequence, tokens + [outcome.next_token], num_assumed=len(tokens) + 1 - known_len)

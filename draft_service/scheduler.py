@@ -18,7 +18,8 @@ prefixes, so it is neither drafted nor answered until an Extend asks for drafts 
 
 Rounds are ordered: fresh prefixes, which no sent proposal covers, first, all in one batch; when
 none waits, the pre-drafts of the outcomes of the proposals the target is verifying (predraft.py),
-best expected gain first, all in one batch. An update that brings fresh work stops a running
+best expected gain first, all in one batch, and over a long link one more such round per level of
+pre-drafts the target's timing asks for. An update that brings fresh work stops a running
 pre-draft round at its next forward pass: its pre-drafts go out with the tokens drafted so far,
 and the fresh round starts at once instead of after the whole pre-draft round.
 """
@@ -101,15 +102,18 @@ class Round:
 
 class DraftScheduler:
     def __init__(self, drafter: Drafter, metrics: DraftMetrics, limits: Limits,
-                 max_fanout: int = 0, guesses: int = 1, grammars: DraftGrammars | None = None):
+                 max_fanout: int = 0, guesses: int = 1, grammars: DraftGrammars | None = None,
+                 max_predraft_depth: int = 1):
         """max_fanout: outcomes pre-drafted per proposal at most; -1: all of them, 0: none.
         guesses: the drafter's guesses at each recovered token; with the bonus outcome, k * guesses + 1 in all.
-        grammars: compiles structured-output constraints; without it, constrained sequences are refused."""
+        grammars: compiles structured-output constraints; without it, constrained sequences are refused.
+        max_predraft_depth: verifications ahead that pre-drafts reach at most (a target's timing sets how many)."""
         self._drafter = drafter
         self._grammars = grammars
         self._metrics = metrics
         self._limits = limits
-        self._predrafter = Predrafter(limits.max_k * guesses + 1 if max_fanout < 0 else max_fanout, metrics)
+        self._predrafter = Predrafter(limits.max_k * guesses + 1 if max_fanout < 0 else max_fanout, metrics,
+                                      max_predraft_depth)
         # One thread: forwards never overlap, and the event loop stays free for Info, health and metrics.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self._streams: dict[int, Stream] = {}
@@ -146,6 +150,7 @@ class DraftScheduler:
         for sequence in stream.sequences.values():
             self._release(sequence)
         stream.sequences.clear()
+        self._predrafter.close_stream(stream.id)
         del self._streams[stream.id]
         self._metrics.streams.dec()
         self._wake.set()
@@ -156,6 +161,8 @@ class DraftScheduler:
         A refused Open, and an Extend of a refused sequence, are answered at once with nothing.
         """
         self._metrics.updates.inc()
+        if update.step_interval_us:
+            self._predrafter.on_timing(stream.id, update.draft_round_trip_us / 1e6, update.step_interval_us / 1e6)
         for kind, messages, handler in (("Open", update.opens, self._open),
                                         ("Extend", update.extends, self._extend),
                                         ("Close", update.closes, self._close)):

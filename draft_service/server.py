@@ -135,7 +135,8 @@ async def serve(config: DraftConfig) -> None:
     # Only a model has a distribution to guess recovered tokens from; the lookup drafters guess none.
     guesses = config.predraft_guesses if config.drafter in ("model", "suffix+model", "eagle3") else 1
     scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits,
-                               max_fanout=config.max_fanout, guesses=guesses, grammars=loaded.grammars)
+                               max_fanout=config.max_fanout, guesses=guesses, grammars=loaded.grammars,
+                               max_predraft_depth=config.max_predraft_depth)
     servicer = DrafterServicer(loaded.info, scheduler)
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
                             max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,

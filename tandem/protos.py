@@ -7,6 +7,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 
+# Verifications ahead that a pre-draft may reach (drafter.proto, assumed_ids): it assumes at most
+# this many times k + 1 tokens, and the target holds no more.
+MAX_PREDRAFT_DEPTH = 8
+
 
 def proto_files() -> list[Path]:
     return sorted((PROTO_DIR / "tandem" / "v1").glob("*.proto"))

@@ -4,6 +4,7 @@ The Speculator keeps one DrafterState per running sequence, on the event loop.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -13,9 +14,9 @@ from target_service.sequence import Sequence
 from target_service.speculation import DraftRecord
 
 
-# Proposals a sequence keeps: the one under verification and the pre-drafts of its outcomes
-# (k + 1 at most for k <= 16), with room for a fresh proposal beside them.
-MAX_HELD_PROPOSALS = 20
+# Proposals a sequence keeps: the one under verification, the pre-drafts of its outcomes and, over
+# a long link, of theirs (the drafter sends a few per verification ahead), and a fresh one beside them.
+MAX_HELD_PROPOSALS = 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,9 @@ class DrafterState:
     seq: Sequence
     told_len: int = 0  # committed tokens the drafter has been told about; 0: not open on this stream
     told_at: float | None = None  # when it was last told, for the draft round trip
+    # (told_len, told_at) of the latest updates: an answer for an older prefix, which comes after the
+    # target moved on (a round trip longer than a step), times its round trip from its own update.
+    asked: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_HELD_PROPOSALS))
     open_k: int = 0  # the k it was opened with: the most drafts per proposal an Extend may ask for
     told_k: int = 0  # the drafts per proposal it was last asked for; 0: paused
     answered_len: int = 0  # the last prefix length the drafter answered, with drafts or none
@@ -44,6 +48,20 @@ class DrafterState:
     # Feature rows not yet sent, for a drafter that reads them: contiguous from position features_from.
     features: list[torch.Tensor] = field(default_factory=list)
     features_from: int = 0
+
+    def tell(self, now: float) -> None:
+        """The drafter was told the committed tokens (an Open or an Extend)."""
+        self.told_len, self.told_at = len(self.seq.token_ids), now
+        self.asked.append((self.told_len, now))
+
+    def answered_after(self, base_len: int, now: float) -> float | None:
+        """The round trip of a plain proposal for base_len: since the update that told it; None if
+        none did (or it was answered already)."""
+        for i, (length, at) in enumerate(self.asked):
+            if length == base_len:
+                del self.asked[i]
+                return now - at
+        return None
 
     def keep(self, proposal: Proposal) -> None:
         self.held.append(proposal)
@@ -82,6 +100,7 @@ class DrafterState:
     def forget(self) -> None:
         """A new stream: nothing was told or proposed on it yet, and the features held are not sent."""
         self.told_len = 0
+        self.asked.clear()
         self.held.clear()
         self.features.clear()
 

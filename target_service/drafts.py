@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from tandem_kernels.compression import CompressedProbs, InvalidDraftProbs, unpack
 from target_service.sequence import Sequence
+from tandem.protos import MAX_PREDRAFT_DEPTH
 from tandem.v1 import drafter_pb2
 
 
@@ -55,8 +56,9 @@ def validate_proposal(
         raise InvalidProposal("token_id", f"token {max(tokens + assumed)} is outside the vocabulary of {vocab_size}")
     if assumed and not accepts_assumed:
         raise InvalidProposal("assumed", "assumed ids for a sequence not opened for pre-drafts")
-    if len(assumed) > max_k + 1:  # at most k drafts accepted, then one more token
-        raise InvalidProposal("assumed", f"{len(assumed)} assumed ids; expected at most {max_k + 1}")
+    if len(assumed) > MAX_PREDRAFT_DEPTH * (max_k + 1):  # per verification ahead: k drafts accepted, one more token
+        raise InvalidProposal("assumed", f"{len(assumed)} assumed ids; expected at most "
+                                         f"{MAX_PREDRAFT_DEPTH * (max_k + 1)}")
     known_len = msg.base_len - len(assumed)
     if not len(seq.prompt_ids) <= known_len <= len(seq.token_ids):
         raise InvalidProposal(

@@ -80,6 +80,7 @@ class SpeculationPolicy:
         self.mean_accepted = 1.0  # optimistic until measured, so that a new drafter gets a chance
         self.mean_step = self.max_wait
         self.mean_rtt = 0.0  # update sent -> proposal received; optimistic until measured
+        self.mean_cycle = 0.0  # between decode or verify steps, each one's whole cycle; 0 until measured
         self._delays: deque[float] = deque(maxlen=_DELAY_SAMPLES)  # the latest such round trips
         self._unanswered_since: float | None = None  # the first update sent since the drafter's last answer
         self._steps = 0
@@ -121,6 +122,7 @@ class SpeculationPolicy:
                       seconds: float) -> None:
         """A decode or verify step's whole cycle, for the speed guard: whether each sequence could
         speculate in it, what each committed, and the wall time since the last step's."""
+        self.mean_cycle += _SMOOTHING * (seconds - self.mean_cycle) if self.mean_cycle else seconds
         self.guard.observe(StepResult([record.guard for record in records], speculating, tokens, seconds))
 
     def new_drafter(self, records: list[DraftRecord]) -> None:
@@ -134,6 +136,12 @@ class SpeculationPolicy:
     def observe_draft_rtt(self, seconds: float) -> None:
         self.mean_rtt += _SMOOTHING * (seconds - self.mean_rtt)
         self._delays.append(seconds)
+
+    def late_round_trip(self) -> float:
+        """The draft round trip that 9 in 10 of the recent ones do not exceed; 0 until measured."""
+        if not self._delays:
+            return 0.0
+        return sorted(self._delays)[math.ceil(0.9 * len(self._delays)) - 1]
 
     def observe_update_sent(self, now: float) -> None:
         """An update that the drafter will answer (Opens or Extends) was sent."""

@@ -289,7 +289,7 @@ class Speculator:
                 if k != state.told_k:
                     message.k = state.told_k = k
                 extends.append(message)
-                state.told_len, state.told_at = len(seq.token_ids), now
+                state.tell(now)
                 if k == 0:  # paused: the drafter answers nothing, and no step waits for it
                     state.answered_len = len(seq.token_ids)
                 owed |= k > 0 and not state.covers_committed()
@@ -337,16 +337,16 @@ class Speculator:
             self.metrics.child(self.metrics.draft_rejected, reason=err.reason).inc()
             log.debug("dropped a proposal for %s: %s", seq.request_id, err)
             return
-        if proposal.base_len == state.told_len and state.told_at is not None:
-            self.metrics.draft_rtt.observe(now - state.told_at)
-            self.policy.observe_draft_rtt(now - state.told_at)
+        if not proposal.assumed and (rtt := state.answered_after(proposal.base_len, now)) is not None:
+            self.metrics.draft_rtt.observe(rtt)
+            self.policy.observe_draft_rtt(rtt)
         state.keep(proposal)
         if proposal.base_len == len(seq.token_ids) and state.covers_committed():
             state.answered_len = len(seq.token_ids)
 
     def _open(self, state: DrafterState) -> drafter_pb2.SequenceOpen:
         seq = state.seq
-        state.told_len, state.told_at = len(seq.token_ids), time.perf_counter()
+        state.tell(time.perf_counter())
         state.open_k = state.told_k = min(seq.options.num_speculative_tokens, self.link.max_k)
         return open_message(seq, state.open_k, accepts_assumed=self.policy.accepts_predrafts)
 
@@ -358,7 +358,10 @@ class Speculator:
             return
         if opens or (extends and answer_owed):
             self.policy.observe_update_sent(time.perf_counter())
-        self.link.send(drafter_pb2.TargetUpdate(opens=opens, extends=extends, closes=closes))
+        self.link.send(drafter_pb2.TargetUpdate(
+            opens=opens, extends=extends, closes=closes,
+            draft_round_trip_us=round(self.policy.late_round_trip() * 1e6),
+            step_interval_us=round(self.policy.mean_cycle * 1e6)))
 
 
 def _awaits(plan: DraftPlan, budgets: list[int]) -> bool:

@@ -119,14 +119,18 @@ class SequenceClose(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
 
 class TargetUpdate(_message.Message):
-    __slots__ = ("opens", "extends", "closes")
+    __slots__ = ("opens", "extends", "closes", "draft_round_trip_us", "step_interval_us")
     OPENS_FIELD_NUMBER: _ClassVar[int]
     EXTENDS_FIELD_NUMBER: _ClassVar[int]
     CLOSES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROUND_TRIP_US_FIELD_NUMBER: _ClassVar[int]
+    STEP_INTERVAL_US_FIELD_NUMBER: _ClassVar[int]
     opens: _containers.RepeatedCompositeFieldContainer[SequenceOpen]
     extends: _containers.RepeatedCompositeFieldContainer[SequenceExtend]
     closes: _containers.RepeatedCompositeFieldContainer[SequenceClose]
-    def __init__(self, opens: _Optional[_Iterable[_Union[SequenceOpen, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[SequenceExtend, _Mapping]]] = ..., closes: _Optional[_Iterable[_Union[SequenceClose, _Mapping]]] = ...) -> None: ...
+    draft_round_trip_us: int
+    step_interval_us: int
+    def __init__(self, opens: _Optional[_Iterable[_Union[SequenceOpen, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[SequenceExtend, _Mapping]]] = ..., closes: _Optional[_Iterable[_Union[SequenceClose, _Mapping]]] = ..., draft_round_trip_us: _Optional[int] = ..., step_interval_us: _Optional[int] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("seq_id", "base_len", "token_ids", "probs", "probs_top_k", "assumed_ids")

@@ -33,3 +33,12 @@ def test_an_unknown_kind_or_drafter_is_refused_before_any_service_starts(flags, 
         network.parse_args(flags)
     assert refused.value.code == 2
     assert f"unknown {named}" in capsys.readouterr().err
+
+
+def test_a_drafter_may_carry_its_own_flags_so_that_two_settings_run_side_by_side():
+    args = network.parse_args(["--drafters", "suffix,suffix/max-predraft-depth=1/max-fanout=2"])
+    assert args.drafters == ["suffix", "suffix/max-predraft-depth=1/max-fanout=2"]
+    assert network.drafter_flags(args.drafters[1], args)[-6:] == [
+        "--drafter", "suffix", "--max-predraft-depth", "1", "--max-fanout", "2"]
+    with pytest.raises(SystemExit):
+        network.parse_args(["--drafters", "medusa/max-fanout=2"])

@@ -11,7 +11,7 @@ VALUES = {
     "host": "0.0.0.0", "port": 6000, "metrics_port": 0, "drafter": "ngram", "model": "/models/x.gguf",
     "drafter_target": "/models/target.gguf",
     "device": "cpu", "dtype": "bfloat16", "threads": 2, "num_slots": 3, "max_num_batched_tokens": 64, "max_seqs_per_target": 2, "max_model_len": 512, "max_k": 5,
-    "max_fanout": 3, "predraft_guesses": 2,
+    "max_fanout": 3, "predraft_guesses": 2, "max_predraft_depth": 2,
     "probs_top_k": 4, "ngram_min_n": 2, "ngram_max_n": 3, "suffix_max_depth": 16, "suffix_spec_factor": 2.0,
     "suffix_min_token_prob": 0.2, "suffix_cache_tokens": 1000, "suffix_confidence": 0.5, "grammar_cache_size": 32, "grace_seconds": 1.5,
     "log_level": "debug", "max_message_bytes": 1024, "tls_cert": "d.crt", "tls_key": "d.key", "tls_client_ca": "ca.crt",
@@ -39,7 +39,7 @@ def test_defaults(capsys):
 
 @pytest.mark.parametrize("field, value", [
     ("port", 70000), ("metrics_port", -1), ("drafter", "eagle"), ("threads", 0), ("num_slots", 0), ("max_num_batched_tokens", 15), ("max_seqs_per_target", -1),
-    ("max_model_len", 0), ("max_k", 0), ("max_fanout", -2), ("predraft_guesses", 0), ("predraft_guesses", 17), ("probs_top_k", 0), ("ngram_min_n", 0), ("ngram_min_n", 5),
+    ("max_model_len", 0), ("max_k", 0), ("max_fanout", -2), ("predraft_guesses", 0), ("predraft_guesses", 17), ("max_predraft_depth", 0), ("max_predraft_depth", 9), ("probs_top_k", 0), ("ngram_min_n", 0), ("ngram_min_n", 5),
     ("suffix_max_depth", 0), ("suffix_spec_factor", 0.0), ("suffix_min_token_prob", 1.5), ("suffix_cache_tokens", -1),
     ("suffix_confidence", 1.5), ("grammar_cache_size", 0),
     ("grace_seconds", -1.0), ("max_message_bytes", 0), ("tls_cert", "only-a-cert.crt"),

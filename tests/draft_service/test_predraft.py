@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from draft_service.drafter import DraftJob, DraftSequence, Guess, Proposal, never
+from draft_service.drafter import DraftJob, DraftSequence, Guess, Proposal, make_proposal, never
 from tandem_kernels.sampling import Sampling
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
@@ -246,7 +246,7 @@ def test_each_draft_carries_its_likeliest_alternatives_and_each_is_an_outcome_by
 
 def _predrafter_with_a_proposal(drafts: list[int], guesses: list[int], max_fanout: int = 4):
     metrics = DraftMetrics("tiny")
-    predrafter = Predrafter(max_fanout, metrics)
+    predrafter = Predrafter(max_fanout, metrics, max_depth=4)
     sequence = DraftSequence((1, 1), [1, 2, 3], Sampling(), len(drafts), accepts_assumed=True)
     predrafter.open(sequence)
     job = DraftJob(sequence, list(sequence.tokens))
@@ -280,7 +280,7 @@ def test_spare_time_after_a_predraft_round_grows_the_fanout(extend_after_s, limi
     predrafter.on_drafted(DraftJob(sequence, list(sequence.tokens)),
                           Proposal(sequence.key, 4, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
     [job] = predrafter.take_jobs()
-    sent = predrafter.on_predrafted([Proposal(sequence.key, 5, [1, 2, 3], assumed_ids=job.tokens[4:])],
+    sent = predrafter.on_predrafted([Proposal(sequence.key, 5, [1, 2, 3], assumed_ids=job.tokens[4:], job=job)],
                                     now=1.0, round_s=0.01)
     assert len(sent) == 1
     _extend(predrafter, sequence, [7, 8, 9, 41], now=1.0 + extend_after_s)  # a round of 10 ms: one more fits?
@@ -306,6 +306,66 @@ def test_outcomes_are_ordered_by_expected_gain_from_the_measured_acceptance():
                           Proposal(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
     first = predrafter.take_jobs()[0]
     assert (first.tokens[3:], first.guess_next) == ([7, 8, 9], True)  # all accepted is now the likeliest
+
+
+def _deliver(predrafter: Predrafter, jobs: list[DraftJob], drafts: list[int], guesses: list[int]) -> list[Proposal]:
+    """Each job drafted as `drafts` with `guesses` at the recovered tokens (a bonus outcome guesses 5)."""
+    proposals = [make_proposal(job, drafts, None, _certain(guesses), guessed_next=5 if job.guess_next else None)
+                 for job in jobs]
+    return predrafter.on_predrafted(proposals, now=1.0, round_s=0.01)
+
+
+@pytest.mark.parametrize("round_trip_s, step_s, depth", [
+    (0.002, 0.040, 1), (0.050, 0.040, 2), (0.090, 0.040, 3), (1.0, 0.040, 3), (0.050, 0.0, 1)])
+def test_the_predraft_depth_is_the_steps_a_round_trip_spans(round_trip_s, step_s, depth):
+    metrics = DraftMetrics("tiny")
+    predrafter = Predrafter(4, metrics, max_depth=3)
+    predrafter.on_timing(1, round_trip_s, step_s)
+    assert metrics.registry.get_sample_value("tandem_draft_predraft_depth", LABELS) == depth
+
+
+def test_over_a_long_link_the_best_predrafts_outcomes_are_drafted_a_verification_further():
+    predrafter, sequence, metrics = _predrafter_with_a_proposal([7, 8, 9], [17, 18, 19], max_fanout=2)
+    predrafter.on_timing(1, round_trip_s=0.05, step_s=0.03)  # a pre-draft arrives a step and more later
+    first = predrafter.take_jobs()  # alpha = 0.5: d1 rejected for 17 (0.5), d1 accepted, d2 for 18 (0.25)
+    assert [job.tokens for job in first] == [[1, 2, 3, 17], [1, 2, 3, 7, 18]]
+    assert len(_deliver(predrafter, first, [30, 31, 32], [40, 41, 42])) == 2
+    second = predrafter.take_jobs()  # the next level, by P(both outcomes): 0.5 * 0.5, then 0.5 * 0.25
+    assert [(job.tokens, job.num_assumed) for job in second] == [([1, 2, 3, 17, 40], 2),
+                                                                  ([1, 2, 3, 17, 30, 41], 3)]
+    assert len(_deliver(predrafter, second, [50, 51, 52], [60, 61, 62])) == 2
+    assert not predrafter.has_pending()  # two verifications ahead is as deep as the round trip asks
+
+    _extend(predrafter, sequence, [17], now=1.02)  # the target rejected d1 for 17, as first guessed
+    assert predrafter.fanout.limit == 2  # in time: nothing for this verification was left to draft
+    assert predrafter.covers(sequence)
+    third = predrafter.take_jobs()  # its outcomes are sent already: their outcomes come next
+    assert [job.tokens for job in third] == [[1, 2, 3, 17, 40, 60], [1, 2, 3, 17, 30, 41, 60]]
+    assert all(job.num_assumed == len(job.tokens) - 4 for job in third)
+    assert metrics.registry.get_sample_value("tandem_draft_predraft_hits_total", LABELS) == 1
+
+
+def test_an_extend_before_the_deeper_level_is_drafted_plans_it_from_the_committed_proposal():
+    predrafter, sequence, _ = _predrafter_with_a_proposal([7, 8, 9], [17, 18, 19], max_fanout=2)
+    predrafter.on_timing(1, round_trip_s=0.05, step_s=0.03)
+    _deliver(predrafter, predrafter.take_jobs(), [30, 31, 32], [40, 41, 42])
+    assert predrafter.has_pending()  # the next level waits for a round
+    _extend(predrafter, sequence, [7, 18], now=1.02)
+    assert predrafter.fanout.limit == 2  # this verification's outcomes were all sent: not late
+    assert predrafter.covers(sequence)
+    assert [job.tokens for job in predrafter.take_jobs()] == [[1, 2, 3, 7, 18, 40], [1, 2, 3, 7, 18, 30, 41]]
+
+
+def test_a_predraft_is_sent_while_the_target_has_committed_a_prefix_of_its_tokens():
+    """The target ran a step without it (it came late) and committed the first of its assumed tokens:
+    the pre-draft may still be verified once the rest are committed."""
+    predrafter, sequence, metrics = _predrafter_with_a_proposal([7, 8, 9], [17, 18, 19], max_fanout=4)
+    jobs = predrafter.take_jobs()
+    _extend(predrafter, sequence, [7], now=0.5)  # while the round runs
+    sent = _deliver(predrafter, jobs, [30, 31, 32], [40, 41, 42])
+    assert sorted(p.assumed_ids for p in sent) == [[7, 8, 9, 5], [7, 8, 19], [7, 18]]
+    assert metrics.registry.get_sample_value("tandem_draft_predraft_cancelled_total",
+                                             {**LABELS, "stage": "drafted"}) == 1  # it assumed 17
 
 
 class GatedDrafter(ModelDrafter):
@@ -471,6 +531,33 @@ async def test_a_hit_is_answered_by_the_predraft_already_sent_and_its_outcomes_f
     assert _metric(drafter, "tandem_draft_predraft_guess_hits_total", guess="recovered") == 1
     await asyncio.sleep(0.1)  # nothing left to draft: idle
     assert _metric(drafter, "tandem_draft_idle_seconds_total") > 0.05
+
+
+async def test_a_target_whose_round_trip_spans_a_step_gets_the_outcomes_of_the_predrafts_too():
+    """Each level's pre-drafts continue its prefix as the drafter alone would (greedy)."""
+    drafter = ModelDrafter(tiny_draft_model(num_slots=24), TOP_K, DraftMetrics("tiny"))
+    async with running_scheduler(drafter, drafter.metrics, LIMITS, max_fanout=-1, max_predraft_depth=3) as scheduler:
+        stream = scheduler.open_stream()
+        timing = dict(draft_round_trip_us=50_000, step_interval_us=30_000)  # pre-drafts two verifications ahead
+        scheduler.apply(stream, pb.TargetUpdate(opens=_opens(1).opens, **timing))
+        [fresh] = await _next(stream)
+        first, second = await _next(stream), await _next(stream)
+        assert _metric(drafter, "tandem_draft_predraft_depth") == 2
+        await asyncio.sleep(0.2)
+        assert stream.outbox.empty()  # no third level
+    prompt = _prompt(8, 1)
+    assert all(len(p.assumed_ids) <= len(fresh.token_ids) + 1 for p in first)
+    parents = {tuple(p.assumed_ids): list(p.token_ids) for p in first}
+    for p in second:  # each assumes one of the first level's outcomes, then one of its own
+        parent = max((a for a in parents if tuple(p.assumed_ids[: len(a)]) == a), key=len)
+        accepted = p.assumed_ids[len(parent):]
+        assert accepted[:-1] == parents[parent][: len(accepted) - 1]
+    for p in [*first, *second]:
+        assert p.base_len == len(prompt) + len(p.assumed_ids)
+        assert list(p.token_ids) == greedy_generate(tiny_draft_model(), prompt + list(p.assumed_ids), len(p.token_ids))
+    assert max(len(p.assumed_ids) for p in second) > K + 1  # past what one verification commits
+    assert len(first) == K + 1  # every outcome of the fresh proposal
+    assert len(second) == LIMITS.max_k + 1  # max_fanout -1: max_k x 1 guess + 1 a round, the best of 16
 
 
 @pytest.mark.parametrize("max_fanout, accepts_assumed", [(0, True), (-1, False)], ids=["fanout-0", "old-target"])

@@ -282,6 +282,48 @@ async def test_a_step_verifies_the_pre_draft_whose_assumed_tokens_it_committed(m
     assert h.count("tandem_draft_stale_total", outcome="dropped") == 0
 
 
+async def test_a_pre_draft_two_verifications_ahead_is_held_until_both_commit_its_assumed_tokens(make):
+    """Over a long link the drafter pre-drafts the outcomes of its pre-drafts: such a proposal assumes
+    what two verifications commit (here 6 tokens, more than k + 1) and is verified in the third step."""
+    h, seq = await _prefilled(make)
+    h.propose(seq, N, T[1:3])
+    h.propose(seq, N + 3, T[4:6], assumed_ids=list(T[1:4]))  # the root's bonus outcome
+    h.propose(seq, N + 6, T[7:10], assumed_ids=list(T[1:7]))  # that pre-draft's bonus outcome
+    for drafts in (T[1:3], T[4:6], T[7:10]):
+        await h.engine.step()
+        assert h.verified_drafts(seq) == list(drafts)
+    assert seq.token_ids[N:] == list(T[1:11])
+    assert h.count("tandem_draft_cache_hits_total") == 2
+    assert h.count("tandem_draft_rejected_proposals_total", reason="assumed") == 0
+
+
+async def test_each_update_tells_the_drafter_the_targets_timing(make):
+    h, seq = await _prefilled(make)
+    h.propose(seq, N, T[1:3])
+    await h.engine.step()
+    await h.engine.step()
+    policy, update = h.engine.speculator.policy, h.link.updates[-1]
+    assert update.extends and policy.mean_cycle > 0 and policy.late_round_trip() > 0
+    assert update.step_interval_us == round(policy.mean_cycle * 1e6)
+    assert update.draft_round_trip_us == round(policy.late_round_trip() * 1e6)
+
+
+async def test_an_answer_that_comes_after_the_target_moved_on_times_its_own_round_trip(make):
+    """Over a link longer than a step the answer for a prefix arrives steps later: its round trip
+    runs from the update that told that prefix, not from the newest one."""
+    h, seq = await _prefilled(make)
+    await h.engine.step()  # no drafts: decodes T[1], and tells the drafter N + 1 tokens
+    told = time.perf_counter()
+    await h.engine.step()  # decodes T[2]: tells N + 2
+    await asyncio.sleep(0.05)
+    h.propose(seq, N + 1, T[2:4])
+    h.propose(seq, N + 1, T[2:4])  # the same prefix again: timed once
+    assert h.count("tandem_draft_rtt_seconds_count") == 1
+    assert h.count("tandem_draft_rtt_seconds_sum") >= time.perf_counter() - told - 0.01
+    h.propose(seq, N + 2, T[3:5], assumed_ids=[T[2]])  # a pre-draft answers no update
+    assert h.count("tandem_draft_rtt_seconds_count") == 1
+
+
 async def test_a_pre_draft_that_covers_the_committed_tokens_means_no_answer_is_owed(make):
     """The drafter sends no fresh proposal for a prefix its pre-draft covers, so the Extend for it
     must not count as unanswered: that would make the target think a working drafter silent."""
@@ -300,7 +342,8 @@ async def test_a_pre_draft_that_covers_the_committed_tokens_means_no_answer_is_o
 
 ASSUMED_CASES = {
     # name: (base_len, drafts, assumed) of an invalid pre-draft -> reason
-    "assumes more than k + 1 tokens": (N + 6, (5,), (1, 2, 3, 4, 5, 6), "assumed"),
+    "assumes more than 8 verifications of k + 1 tokens": (N + 8 * (MAX_K + 1) + 1, (5,), (1,) * (8 * (MAX_K + 1) + 1),
+                                                          "assumed"),
     "an assumed id outside the vocabulary": (N + 1, (5,), (VOCAB,), "token_id"),
     "drafted from a prefix longer than the committed one": (N + 3, (5,), (1,), "base_len"),
 }

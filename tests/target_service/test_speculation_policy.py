@@ -47,6 +47,20 @@ def test_the_wait_follows_the_distribution_of_round_trips_not_their_mean():
     assert policy.wait_bound(elapsed=0.006) == 0
 
 
+def test_the_drafter_is_told_a_late_round_trip_and_the_step_interval():
+    """It pre-drafts as many verifications ahead as the round trip spans: the slow tail counts."""
+    policy = _policy(draft_wait_ms=30)
+    assert (policy.late_round_trip(), policy.mean_cycle) == (0, 0)  # not measured: one verification ahead
+    for rtt in itertools.islice(itertools.cycle([0.010] * 8 + [0.050, 0.060]), 60):
+        policy.observe_draft_rtt(rtt)
+    assert policy.late_round_trip() == 0.050
+    policy.observe_cycle([], [], [], 0.030)
+    assert policy.mean_cycle == 0.030  # the first cycle, then a moving average
+    for _ in range(100):
+        policy.observe_cycle([], [], [], 0.040)
+    assert policy.mean_cycle == pytest.approx(0.040, abs=1e-4)
+
+
 def test_no_step_waits_for_answers_the_round_trips_say_come_after_the_bound():
     policy = _policy(draft_wait_ms=30)
     for _ in range(64):
