@@ -119,7 +119,7 @@ def drafter_flags(drafter: str, args: argparse.Namespace) -> list[str]:
     """The draft service's flags for one drafter: its kind, then any flag=value after a '/' each
     (suffix/max-predraft-depth=1), so that settings of one drafter run side by side."""
     kind, *settings = drafter.split("/")
-    extra = [part for setting in settings for part in (f"--{setting.partition('=')[0]}", setting.partition("=")[2])]
+    extra = [part for setting in settings for part in ("--" + setting).split("=", 1)]  # a switch has no value
     if kind == EAGLE3:
         return [*eagle3_drafter_flags(args.eagle_head, args.model), *extra]
     draft_model = args.draft_model if "model" in kind else args.model  # lookup drafters load its tokenizer

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from draft_service.drafter import DraftJob, DraftSequence, Guess, Proposal, SeqKey
 from draft_service.metrics import DraftMetrics
+from tandem.protos import MAX_HELD_PROPOSALS
 
 DECAY = 0.98  # per observation: a rate follows about the last 50
 PRIOR_WEIGHT = 2.0  # how many trials the prior counts for
@@ -249,7 +250,7 @@ class Predrafter:
         for p in subtree:  # now counted from the covering proposal, which the target verifies next
             p.depth -= covering.depth
             p.gain /= max(covering.gain, 1e-12)
-        covering.depth, covering.gain = 0, 1.0
+        covering.depth, covering.gain, covering.expanded = 0, 1.0, False  # its undrafted outcomes come first
         self._make_current(state, covering, subtree)
         return True
 
@@ -280,8 +281,11 @@ class Predrafter:
             return
         depth = self._depths.get(state.sequence.key[0], 1)
         frontier = [p for p in candidates if not p.expanded and p.depth < depth]
-        outcomes = sorted((o for p in frontier for o in self._outcomes(p)), key=lambda o: -o.gain)
-        state.pending = outcomes[: self.fanout.limit]
+        sent = {tuple(p.tokens) for p in state.predrafts}
+        outcomes = sorted((o for p in frontier for o in self._outcomes(p) if not _drafted(o, sent)),
+                          key=lambda o: -o.gain)
+        room = MAX_HELD_PROPOSALS - 2 - len(state.predrafts)  # the target holds the current and a fresh one too
+        state.pending = outcomes[: max(0, min(self.fanout.limit, room))]
         for outcome in state.pending:
             outcome.parent.expanded = True
         if state.pending:
@@ -351,6 +355,15 @@ class Predrafter:
             if now is not None and not state.sequence.closed:
                 self._metrics.fanout.observe(state.predraft_outcomes)
         return [state for state in states if not state.sequence.closed]
+
+
+def _drafted(outcome: Outcome, sent: set[tuple[int, ...]]) -> bool:
+    """Whether a pre-draft of the outcome was sent already (the bonus outcome: for any guess of it)."""
+    parent = outcome.parent
+    tokens = tuple(parent.tokens + parent.drafts[: outcome.accepted])
+    if outcome.next_token is not None:
+        return tokens + (outcome.next_token,) in sent
+    return any(len(p) == len(tokens) + 1 and p[: len(tokens)] == tokens for p in sent)
 
 
 def outcome_job(sequence: DraftSequence, known_len: int, outcome: Outcome) -> DraftJob:

@@ -10,6 +10,10 @@ PROTO_DIR = ROOT / "proto"
 # Verifications ahead that a pre-draft may reach (drafter.proto, assumed_ids): it assumes at most
 # this many times k + 1 tokens, and the target holds no more.
 MAX_PREDRAFT_DEPTH = 8
+# Proposals a target holds per sequence: the one under verification, a tree of pre-drafts and a
+# fresh one beside them. A drafter keeps its tree of sent pre-drafts smaller, so that none it
+# counts on is dropped.
+MAX_HELD_PROPOSALS = 64
 
 
 def proto_files() -> list[Path]:

@@ -12,11 +12,7 @@ import torch
 from target_service.drafts import NO_MATCH, Proposal, ProposalMatch, match_proposal
 from target_service.sequence import Sequence
 from target_service.speculation import DraftRecord
-
-
-# Proposals a sequence keeps: the one under verification, the pre-drafts of its outcomes and, over
-# a long link, of theirs (the drafter sends a few per verification ahead), and a fresh one beside them.
-MAX_HELD_PROPOSALS = 40
+from tandem.protos import MAX_HELD_PROPOSALS
 
 
 @dataclass(frozen=True, slots=True)

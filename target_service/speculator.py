@@ -189,8 +189,8 @@ class Speculator:
         for state in self._states.values():
             state.forget()
         self.policy.new_drafter([state.record for state in self._states.values()])
-        return drafter_pb2.TargetUpdate(opens=[self._open(state) for state in self._states.values()
-                                               if state.seq.finish is None and self._speculates(state.seq)])
+        return self._update(opens=[self._open(state) for state in self._states.values()
+                                   if state.seq.finish is None and self._speculates(state.seq)])
 
     def on_proposals(self, message: drafter_pb2.DraftProposals, wire_bytes: int) -> None:
         """Every message the link receives, on the event loop."""
@@ -358,10 +358,12 @@ class Speculator:
             return
         if opens or (extends and answer_owed):
             self.policy.observe_update_sent(time.perf_counter())
-        self.link.send(drafter_pb2.TargetUpdate(
-            opens=opens, extends=extends, closes=closes,
-            draft_round_trip_us=round(self.policy.late_round_trip() * 1e6),
-            step_interval_us=round(self.policy.mean_cycle * 1e6)))
+        self.link.send(self._update(opens=opens, extends=extends, closes=closes))
+
+    def _update(self, **messages: Collection) -> drafter_pb2.TargetUpdate:
+        """An update with the target's timing, by which the drafter sets how far ahead it pre-drafts."""
+        return drafter_pb2.TargetUpdate(**messages, draft_round_trip_us=round(self.policy.late_round_trip() * 1e6),
+                                        step_interval_us=round(self.policy.mean_cycle * 1e6))
 
 
 def _awaits(plan: DraftPlan, budgets: list[int]) -> bool:

@@ -40,5 +40,6 @@ def test_a_drafter_may_carry_its_own_flags_so_that_two_settings_run_side_by_side
     assert args.drafters == ["suffix", "suffix/max-predraft-depth=1/max-fanout=2"]
     assert network.drafter_flags(args.drafters[1], args)[-6:] == [
         "--drafter", "suffix", "--max-predraft-depth", "1", "--max-fanout", "2"]
+    assert network.drafter_flags("suffix/no-prefix-caching", args)[-1] == "--no-prefix-caching"
     with pytest.raises(SystemExit):
         network.parse_args(["--drafters", "medusa/max-fanout=2"])

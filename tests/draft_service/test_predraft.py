@@ -20,6 +20,7 @@ from draft_service.predraft import Fanout, Predrafter
 from draft_service.scheduler import Limits
 from tandem_kernels.compression import sample_compressed, unpack
 from tandem.generate import greedy_generate
+from tandem.protos import MAX_HELD_PROPOSALS
 from tandem.model.batch import SequenceChunk
 from tandem.v1 import drafter_pb2 as pb
 from tests.support.draft_schedulers import running_scheduler
@@ -343,6 +344,38 @@ def test_over_a_long_link_the_best_predrafts_outcomes_are_drafted_a_verification
     assert [job.tokens for job in third] == [[1, 2, 3, 17, 40, 60], [1, 2, 3, 17, 30, 41, 60]]
     assert all(job.num_assumed == len(job.tokens) - 4 for job in third)
     assert metrics.registry.get_sample_value("tandem_draft_predraft_hits_total", LABELS) == 1
+
+
+def test_a_hit_drafts_the_outcomes_its_proposal_still_lacks_and_none_twice():
+    predrafter = Predrafter(4, DraftMetrics("tiny"), max_depth=4)
+    predrafter.on_timing(1, round_trip_s=0.05, step_s=0.03)
+    predrafter.fanout.limit = 1  # one outcome a round: the tree is one path
+    sequence = DraftSequence((1, 1), [1, 2, 3], Sampling(), 3, accepts_assumed=True)
+    predrafter.open(sequence)
+    predrafter.on_drafted(DraftJob(sequence, [1, 2, 3]),
+                          Proposal(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
+    [first] = predrafter.take_jobs()
+    _deliver(predrafter, [first], [30, 31, 32], [40, 41, 42])
+    [second] = predrafter.take_jobs()
+    _deliver(predrafter, [second], [50, 51, 52], [60, 61, 62])
+    assert (first.tokens, second.tokens) == ([1, 2, 3, 17], [1, 2, 3, 17, 40])
+    predrafter.fanout.limit = 4
+    _extend(predrafter, sequence, [17], now=1.02)
+    assert predrafter.covers(sequence)
+    jobs = [(job.tokens, job.guess_next) for job in predrafter.take_jobs()]
+    assert ([1, 2, 3, 17, 30, 41], False) in jobs  # an outcome of the committed proposal, never drafted
+    assert ([1, 2, 3, 17, 40], False) not in jobs  # drafted already: its pre-draft is held
+
+
+def test_the_tree_of_sent_predrafts_stays_within_what_the_target_holds():
+    predrafter, sequence, _ = _predrafter_with_a_proposal([7, 8, 9], [17, 18, 19], max_fanout=25)
+    predrafter.on_timing(1, round_trip_s=1.0, step_s=0.03)  # as deep as allowed: 4 levels
+    levels = []
+    while jobs := predrafter.take_jobs():
+        levels.append(len(_deliver(predrafter, jobs, [30, 31, 32], [40, 41, 42])))
+    # 4 outcomes per proposal: 4, then 16, then 25 of 64, then only what leaves room for the
+    # current proposal and a fresh one
+    assert levels == [4, 16, 25, MAX_HELD_PROPOSALS - 2 - 45]
 
 
 def test_an_extend_before_the_deeper_level_is_drafted_plans_it_from_the_committed_proposal():

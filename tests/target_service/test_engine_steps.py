@@ -306,6 +306,7 @@ async def test_each_update_tells_the_drafter_the_targets_timing(make):
     assert update.extends and policy.mean_cycle > 0 and policy.late_round_trip() > 0
     assert update.step_interval_us == round(policy.mean_cycle * 1e6)
     assert update.draft_round_trip_us == round(policy.late_round_trip() * 1e6)
+    assert h.engine.speculator.reopen_all().step_interval_us == update.step_interval_us  # a new drafter too
 
 
 async def test_an_answer_that_comes_after_the_target_moved_on_times_its_own_round_trip(make):
