@@ -99,6 +99,17 @@ class SentProposal:
     depth: int = 0  # verifications after the current proposal's before the target would verify it
     gain: float = 1.0  # the chance, as the drafter expects, that the target verifies it after the current one
     expanded: bool = False  # some of its outcomes were pre-drafted (or are pending)
+    # The pre-drafts sent for its outcomes, by (accepted, next token); the bonus outcome's token is None.
+    children: dict[tuple[int, int | None], SentProposal] = field(default_factory=dict)
+
+    def descendants(self) -> list[SentProposal]:
+        """Every pre-draft sent below it: its children, theirs, and so on."""
+        found, stack = [], list(self.children.values())
+        while stack:
+            node = stack.pop()
+            found.append(node)
+            stack.extend(node.children.values())
+        return found
 
 
 @dataclass(slots=True)
@@ -136,7 +147,6 @@ class Fanout:
 class SequenceState:
     sequence: DraftSequence
     current: SentProposal | None = None  # the proposal for the committed tokens, which the target verifies
-    predrafts: list[SentProposal] = field(default_factory=list)  # sent for current's outcomes, and theirs
     pending: list[Outcome] = field(default_factory=list)  # outcomes that wait for a pre-draft round
     in_flight: list[Outcome] = field(default_factory=list)  # outcomes a running pre-draft round drafts
     predrafted_at: float | None = None  # when its last pre-draft round ended
@@ -225,10 +235,8 @@ class Predrafter:
     @staticmethod
     def _bonus_guess(state: SequenceState) -> int | None:
         """The current proposal's guess at its bonus token, once that outcome is pre-drafted."""
-        accepted = state.current.tokens + state.current.drafts
-        n = len(accepted)
-        return next((p.tokens[n] for p in state.predrafts if len(p.tokens) == n + 1 and p.tokens[:n] == accepted),
-                    None)
+        child = state.current.children.get((len(state.current.drafts), None))
+        return None if child is None else child.tokens[-1]
 
     def _count_guess(self, kind: str, rate: Rate, right: bool) -> None:
         rate.observe(right, 1)
@@ -240,18 +248,17 @@ class Predrafter:
         """Whether a sent pre-draft covers the committed tokens exactly; if one does, the target verifies
         it now, so its outcomes are what to pre-draft next."""
         state = self._states[sequence.key]
-        covering = next((p for p in state.predrafts if p.tokens == sequence.tokens), None)
+        tree = state.current.descendants() if state.current is not None else []
+        covering = next((p for p in tree if p.tokens == sequence.tokens), None)
         if covering is None:
             self._make_current(state, None)
             return False
         self._metrics.predraft_hits.inc()
-        n = len(covering.tokens)
-        subtree = [p for p in state.predrafts if len(p.tokens) > n and p.tokens[:n] == covering.tokens]
-        for p in subtree:  # now counted from the covering proposal, which the target verifies next
+        for p in covering.descendants():  # now counted from the covering proposal, which the target verifies next
             p.depth -= covering.depth
             p.gain /= max(covering.gain, 1e-12)
         covering.depth, covering.gain, covering.expanded = 0, 1.0, False  # its undrafted outcomes come first
-        self._make_current(state, covering, subtree)
+        self._make_current(state, covering)
         return True
 
     def pause(self, sequence: DraftSequence) -> None:
@@ -266,13 +273,12 @@ class Predrafter:
         proposal = SentProposal(job.tokens, draft.token_ids, draft.recovered_guesses) if draft else None
         self._make_current(state, proposal if draft and draft.token_ids else None)
 
-    def _make_current(self, state: SequenceState, proposal: SentProposal | None,
-                      subtree: list[SentProposal] | None = None) -> None:
-        """subtree: the sent pre-drafts that continue `proposal`, still held by the target."""
-        state.current, state.predrafts, state.pending = proposal, subtree or [], []
+    def _make_current(self, state: SequenceState, proposal: SentProposal | None) -> None:
+        """The proposal the target verifies next; the pre-drafts below it stay sent."""
+        state.current, state.pending = proposal, []
         self._pending.pop(state.sequence.key, None)
         if proposal is not None:
-            self._plan(state, [proposal, *state.predrafts])
+            self._plan(state, [proposal, *proposal.descendants()])
 
     def _plan(self, state: SequenceState, candidates: list[SentProposal]) -> None:
         """Pend the best outcomes of the candidates not yet expanded that the target would verify
@@ -281,10 +287,9 @@ class Predrafter:
             return
         depth = self._depths.get(state.sequence.key[0], 1)
         frontier = [p for p in candidates if not p.expanded and p.depth < depth]
-        sent = {tuple(p.tokens) for p in state.predrafts}
-        outcomes = sorted((o for p in frontier for o in self._outcomes(p) if not _drafted(o, sent)),
-                          key=lambda o: -o.gain)
-        room = MAX_HELD_PROPOSALS - 2 - len(state.predrafts)  # the target holds the current and a fresh one too
+        outcomes = sorted((o for p in frontier for o in self._outcomes(p)
+                           if (o.accepted, o.next_token) not in p.children), key=lambda o: -o.gain)
+        room = MAX_HELD_PROPOSALS - 2 - len(state.current.descendants())  # and the current and a fresh one
         state.pending = outcomes[: max(0, min(self.fanout.limit, room))]
         for outcome in state.pending:
             outcome.parent.expanded = True
@@ -321,18 +326,22 @@ class Predrafter:
         sent: list[Proposal] = []
         per_sequence: Counter[SeqKey] = Counter()
         new_level: dict[SeqKey, list[SentProposal]] = {}
+        trees: dict[SeqKey, set[int]] = {}
         for draft in drafts:
             state, outcome = self._in_flight.get(id(draft.job), (None, None))
             if state is None or state.sequence.closed or not draft.token_ids:
                 continue
             prefix, committed = draft.prefix, state.sequence.tokens
-            in_tree = any(p is outcome.parent for p in (state.current, *state.predrafts))
+            if draft.key not in trees:  # the proposals the target may still verify, as the round began
+                trees[draft.key] = {id(p) for p in (state.current, *state.current.descendants())} \
+                    if state.current is not None else set()
+            in_tree = id(outcome.parent) in trees[draft.key]
             if not in_tree or prefix[: len(committed)] != committed:
                 self._metrics.predraft_cancelled["drafted"].inc()
                 continue
             node = SentProposal(prefix, draft.token_ids, draft.recovered_guesses, depth=outcome.parent.depth + 1,
                                 gain=outcome.gain)
-            state.predrafts.append(node)
+            outcome.parent.children[outcome.accepted, outcome.next_token] = node
             new_level.setdefault(draft.key, []).append(node)
             sent.append(draft)
             per_sequence[draft.key] += 1
@@ -355,15 +364,6 @@ class Predrafter:
             if now is not None and not state.sequence.closed:
                 self._metrics.fanout.observe(state.predraft_outcomes)
         return [state for state in states if not state.sequence.closed]
-
-
-def _drafted(outcome: Outcome, sent: set[tuple[int, ...]]) -> bool:
-    """Whether a pre-draft of the outcome was sent already (the bonus outcome: for any guess of it)."""
-    parent = outcome.parent
-    tokens = tuple(parent.tokens + parent.drafts[: outcome.accepted])
-    if outcome.next_token is not None:
-        return tokens + (outcome.next_token,) in sent
-    return any(len(p) == len(tokens) + 1 and p[: len(tokens)] == tokens for p in sent)
 
 
 def outcome_job(sequence: DraftSequence, known_len: int, outcome: Outcome) -> DraftJob:

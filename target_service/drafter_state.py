@@ -14,6 +14,8 @@ from target_service.sequence import Sequence
 from target_service.speculation import DraftRecord
 from tandem.protos import MAX_HELD_PROPOSALS
 
+_UPDATES_TIMED = 16  # the latest updates whose answers are timed: a round trip spans fewer steps
+
 
 @dataclass(frozen=True, slots=True)
 class Evicted:
@@ -35,7 +37,7 @@ class DrafterState:
     told_at: float | None = None  # when it was last told, for the draft round trip
     # (told_len, told_at) of the latest updates: an answer for an older prefix, which comes after the
     # target moved on (a round trip longer than a step), times its round trip from its own update.
-    asked: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_HELD_PROPOSALS))
+    asked: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_UPDATES_TIMED))
     open_k: int = 0  # the k it was opened with: the most drafts per proposal an Extend may ask for
     told_k: int = 0  # the drafts per proposal it was last asked for; 0: paused
     answered_len: int = 0  # the last prefix length the drafter answered, with drafts or none

@@ -122,7 +122,8 @@ class SpeculationPolicy:
                       seconds: float) -> None:
         """A decode or verify step's whole cycle, for the speed guard: whether each sequence could
         speculate in it, what each committed, and the wall time since the last step's."""
-        self.mean_cycle += _SMOOTHING * (seconds - self.mean_cycle) if self.mean_cycle else seconds
+        weight = _SMOOTHING if self.mean_cycle else 1.0  # the first cycle sets it
+        self.mean_cycle += weight * (seconds - self.mean_cycle)
         self.guard.observe(StepResult([record.guard for record in records], speculating, tokens, seconds))
 
     def new_drafter(self, records: list[DraftRecord]) -> None:
