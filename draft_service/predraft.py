@@ -26,18 +26,20 @@ rate, optimistic until measured. Deeper in the tree an outcome's gain is multipl
 proposal's (the chance that the target verifies that proposal at all). How many: `Fanout`, from
 the drafter's spare time, per round; a round drafts one more level of the tree.
 
-Lossless, as any proposal. A pre-draft's drafts are drawn like a fresh proposal's: from the q' it
-sends, with the drafter's own salt, keyed by (seed, position), or greedily, or with the shared
-noise in drafter-invariant mode. The target uses a cached proposal only when its assumed tokens
-equal what it committed, so the choice depends on the committed tokens alone. The verification
-that committed them, through position L+j, looked at the drafter's noise only at positions up to
-L+j (the drafts it accepted and the one it rejected), never at positions >= L+j+1, where the
-pre-draft's drafts are drawn; and which outcomes the drafter covered depends on the gains and on
-d1..d(j+1), not on drafts beyond them. So given the committed prefix, the chosen proposal's drafts
-are draws from its q' rows, independent of the verifier's noise: the premise of rejection
-sampling, exactly as for a fresh proposal. A pre-draft deeper in the tree assumes the outcomes of
-several verifications; each looked at noise only up to the last token it committed, and the tree's
-shape depends on its ancestors' drafts, at assumed positions: the same argument, step by step.
+Lossless, as any proposal. A pre-draft's drafts are drawn as a fresh proposal from the same prefix
+draws them: from the q' it sends, with the drafter's own salt, keyed by (seed, prefix, position)
+(`drafters/model.py: noise_seed`), or greedily, or with the shared noise in drafter-invariant mode.
+The target uses a cached proposal only when its assumed tokens equal what it committed. The
+verification that committed them, through position L+j, looked at the drafter's noise only at
+positions up to L+j. Which outcomes the drafter covered depends on the gains, and so on the drafts
+of the proposal under verification and of the other outcomes' pre-drafts, at positions that overlap
+this pre-draft's; those drafts continue other prefixes, so their noise is independent of its own.
+(Keyed by position alone, it would be shared: a pre-draft's existence would depend on its own
+draws.) So given the committed prefix, the chosen proposal's drafts are draws from its q' rows,
+independent of the verifier's noise and of why the proposal exists: the premise of rejection
+sampling, exactly as for a fresh proposal. Deeper in the tree the same holds level by level: every
+proposal a pre-draft's existence depends on continues another prefix. The lookup drafters draw no
+noise: their drafts are a function of the prefix.
 """
 from __future__ import annotations
 

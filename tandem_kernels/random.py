@@ -14,7 +14,8 @@ Salts keep these streams apart (docs/design.md, Lossless rules):
 - TARGET_SALT: the target's token draws (plain sampling, recovered and bonus tokens). The
   drafter-invariant mode shares this noise with the drafter on purpose.
 - ACCEPT_SALT: the target's acceptance uniform u.
-- DRAFT_SALT: the drafter's draws in rejection mode, independent of u and the target's draws.
+- DRAFT_SALT: the drafter's draws in rejection mode, independent of u and the target's draws. The
+  drafter hashes the prefix its drafts continue into their seed (draft_service/drafters/model.py).
 """
 from __future__ import annotations
 

@@ -42,6 +42,10 @@ from tandem.structured import TokenMasker
 from tandem.structured.grammar import Matcher
 
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E37_79B9_7F4A_7C15
+
+
 @dataclass(frozen=True, slots=True)
 class DraftVocab:
     """A reduced draft head: its rows are the target ids `ids` [N] of a vocabulary of vocab_size."""
@@ -71,15 +75,15 @@ def stack_rows(rows: list[CompressedProbs]) -> CompressedProbs:
     return CompressedProbs(torch.cat([r.ids for r in rows]), torch.cat([r.fixed for r in rows]))
 
 
-def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list[int], probs_top_k: int,
-                draft_vocab: DraftVocab | None = None, alternatives: int = 1) -> DrawnTokens:
+def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list[int], noise_seeds: list[int],
+                probs_top_k: int, draft_vocab: DraftVocab | None = None, alternatives: int = 1) -> DrawnTokens:
     """One draft token per row of logits [B, N], row b being the token at sequence position positions[b].
 
     Logits cover the vocabulary, or the draft vocabulary of a drafter with a reduced head,
     whose q is zero elsewhere. Greedy rows take the argmax.
     Drafter-invariant rows draw from q with the noise the target shares (`sample`'s default
-    TARGET_SALT). The others draw from q' = decode(encode(q)) with the drafter's own salt, and
-    return q' for the wire.
+    TARGET_SALT). The others draw from q' = decode(encode(q)) with the drafter's own salt, keyed by
+    noise_seeds[b] (`noise_seed`), and return q' for the wire.
     """
     tokens = top_tokens(logits, draft_vocab)  # [B]
     compressed: list[CompressedProbs | None] = [None] * len(samplings)
@@ -91,7 +95,8 @@ def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list
         q = probs_of(logits[rows], [samplings[b] for b in rows])  # [S, N]
         if draft_vocab is not None:
             q = _scatter_to_vocabulary(q, draft_vocab)  # [S, V]
-        seeds = torch.tensor([samplings[b].seed for b in rows], dtype=torch.int64, device=device)  # [S]
+        seeds = torch.tensor([samplings[b].seed for b in invariant] + [noise_seeds[b] for b in rejection],
+                             dtype=torch.int64, device=device)  # [S]
         pos = torch.tensor([positions[b] for b in rows], dtype=torch.int64, device=device)  # [S]
         drawn = torch.empty_like(seeds)  # [S]
         inv = slice(0, len(invariant))
@@ -106,6 +111,22 @@ def draw_tokens(logits: torch.Tensor, samplings: list[Sampling], positions: list
                 compressed[b] = CompressedProbs(ids[r : r + 1], fixed[r : r + 1])
         tokens[rows] = drawn
     return DrawnTokens(tokens.tolist(), compressed, _alternatives(logits, tokens, draft_vocab, alternatives))
+
+
+def noise_seed(seed: int, prefix: list[int]) -> int:
+    """The seed (int64) of the drafter's own draws for the drafts that continue `prefix`.
+
+    Keying the noise by the prefix as well as by position keeps the draws of proposals for different
+    prefixes independent where their positions overlap, as the pre-drafts of a verification's
+    outcomes and the proposal under verification do. Which pre-drafts exist depends on the other
+    proposals' drafts (through the outcomes' gains); with noise keyed by position alone, it would
+    depend on the pre-draft's own noise (docs/design.md, The speculation cache: Lossless).
+    """
+    x = (seed ^ (hash(tuple(prefix)) * _GOLDEN64)) & _MASK64  # splitmix64's finalizer
+    x = ((x ^ (x >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    x ^= x >> 31
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def top_tokens(logits: torch.Tensor, draft_vocab: DraftVocab | None = None) -> torch.Tensor:
@@ -152,6 +173,17 @@ class Row:
     token_ids: list[int] = field(default_factory=list)
     q_rows: list[CompressedProbs] = field(default_factory=list)
     recovered_guesses: list[list[Guess]] = field(default_factory=list)
+    _noise_seed: int | None = field(default=None, init=False)
+
+    @property
+    def noise_seed(self) -> int:
+        """The seed of its draws in rejection mode (0 for rows that draw otherwise), hashed once the
+        prefix its drafts continue is known."""
+        sampling = self.job.sequence.sampling
+        if self._noise_seed is None:
+            guessed = [] if self.guessed_next is None else [self.guessed_next]
+            self._noise_seed = noise_seed(sampling.seed, self.job.tokens + guessed) if sampling.needs_draft_probs else 0
+        return self._noise_seed
 
     @property
     def guessing(self) -> bool:
@@ -283,7 +315,7 @@ class ModelDrafter:
         everyone = len(drawing) == len(rows)
         drawn = draw_tokens(logits if everyone else logits[drawing],
                             [rows[i].job.sequence.sampling for i in drawing], [rows[i].position for i in drawing],
-                            self.probs_top_k, self.draft_vocab, self.guesses)
+                            [rows[i].noise_seed for i in drawing], self.probs_top_k, self.draft_vocab, self.guesses)
         for n, i in enumerate(drawing):
             row = rows[i]
             row.token_ids.append(drawn.tokens[n])

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+from draft_service.drafters.model import noise_seed
 from tandem_kernels.compression import DEFAULT_TOP_K, ONE, sample_compressed, unpack, wire_bytes_per_token
 from tests.support.service_fixtures import metric, scrape
 from tandem.generate import greedy_generate
@@ -199,7 +200,7 @@ async def test_sampled_drafts_carry_the_q_prime_they_were_drawn_from(model_serve
         assert len(p.probs) == K * wire_bytes_per_token(DEFAULT_TOP_K)
         q_prime = unpack(p.probs, K, DEFAULT_TOP_K, vocab)  # validates: ids in the vocabulary, rows sum to ONE
         assert all(t in row for t, row in zip(p.token_ids, q_prime.ids.tolist()))
-        drawn = sample_compressed(q_prime, torch.full((K,), seed), torch.arange(n, n + K))
+        drawn = sample_compressed(q_prime, torch.full((K,), noise_seed(seed, prompt)), torch.arange(n, n + K))
         assert drawn.tolist() == list(p.token_ids)
     assert proposals[0].token_ids == proposals[1].token_ids and proposals[0].probs == proposals[1].probs
 

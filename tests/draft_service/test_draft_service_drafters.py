@@ -8,7 +8,7 @@ import torch
 
 from draft_service.drafter import DraftJob, DraftSequence
 from draft_service.metrics import DraftMetrics
-from draft_service.drafters.model import ModelDrafter
+from draft_service.drafters.model import ModelDrafter, draw_tokens, noise_seed
 from draft_service.drafters.ngram import NgramDrafter, lookup
 from draft_service.server import model_vocab_size
 from tandem_kernels.compression import ONE, encode, sample_compressed, unpack
@@ -132,7 +132,26 @@ def test_rejection_mode_draws_from_the_q_prime_it_sends(drafter, reference):
     expected = encode(processed_probs(logits, *params), TOP_K)
     assert torch.equal(sent.ids, expected.ids) and torch.equal(sent.fixed, expected.fixed)
     positions = torch.arange(len(prompt), len(prompt) + 5)
-    assert sample_compressed(sent, torch.full((5,), SAMPLED.seed), positions).tolist() == draft.token_ids
+    assert sample_compressed(sent, torch.full((5,), noise_seed(SAMPLED.seed, prompt)), positions).tolist() == draft.token_ids
+
+
+def test_drafts_after_different_prefixes_draw_independent_noise_at_the_same_positions():
+    """A pre-draft and the proposal under verification draft at overlapping positions; which pre-drafts
+    exist depends on the other proposals' drafts, so their noise must not be shared (the lossless
+    argument in draft_service/predraft.py). The same prefix draws the same tokens."""
+    n = 400
+    flat = torch.zeros(2 * n, VOCAB)  # [2n, V]: q' is uniform over the TOP_K lowest ids in every row
+    positions = list(range(20, 20 + n)) * 2
+    prefix, other, same = [5, 6, 7], [5, 6, 8], [5, 6, 7]
+    samplings = [SAMPLED] * (2 * n)
+
+    def agreements(second: list[int]) -> int:
+        seeds = [noise_seed(SAMPLED.seed, prefix)] * n + [noise_seed(SAMPLED.seed, second)] * n
+        tokens = draw_tokens(flat, samplings, positions, seeds, TOP_K).tokens
+        return sum(a == b for a, b in zip(tokens[:n], tokens[n:]))
+
+    assert agreements(same) == n
+    assert agreements(other) < 2 * n // TOP_K  # about n / TOP_K by chance; every one with shared noise
 
 
 def test_invariant_mode_draws_with_the_targets_noise(drafter, reference):
@@ -178,7 +197,7 @@ def test_a_reduced_head_drafts_only_its_vocabulary_in_every_mode():
     assert set(sampled.token_ids) <= set(head_ids.tolist())
     assert not bool(outside[sent.ids.long()][sent.fixed.int() > 0].any())
     positions = torch.arange(len(prompt), len(prompt) + 4)
-    assert sample_compressed(sent, torch.full((4,), SAMPLED.seed), positions).tolist() == sampled.token_ids
+    assert sample_compressed(sent, torch.full((4,), noise_seed(SAMPLED.seed, prompt)), positions).tolist() == sampled.token_ids
 
     sampling = Sampling(temperature=1.0, seed=99, drafter_invariant=True)
     invariant = _draft_one(drafter, _open(drafter, 3, prompt, k=4, sampling=sampling))

@@ -14,7 +14,7 @@ import torch
 from draft_service.drafter import DraftJob, DraftSequence, Guess, Proposal, make_proposal, never
 from tandem_kernels.sampling import Sampling
 from draft_service.metrics import DraftMetrics
-from draft_service.drafters.model import ModelDrafter
+from draft_service.drafters.model import ModelDrafter, noise_seed
 from draft_service.drafters.ngram import NgramDrafter, lookup
 from draft_service.predraft import Fanout, Predrafter
 from draft_service.scheduler import Limits
@@ -118,10 +118,11 @@ def test_each_outcome_is_predrafted_as_a_fresh_round_from_its_prefix_would_draft
             _fresh(alone, again, prompt + drafts)
         reference = _fresh(alone, again, prompt + predraft.assumed_ids)
         assert (predraft.token_ids, predraft.to_proto().probs) == (reference.token_ids, reference.to_proto().probs)
-        if mode == "sampled":  # drawn from the q' it sends, keyed by the seed and the positions it guesses
+        if mode == "sampled":  # drawn from the q' it sends, keyed by the seed, its prefix and the positions
             q_prime = unpack(predraft.to_proto().probs, K, TOP_K, VOCAB)
             positions = torch.arange(predraft.base_len, predraft.base_len + K)
-            assert sample_compressed(q_prime, torch.full((K,), SAMPLED.seed), positions).tolist() == predraft.token_ids
+            seeds = torch.full((K,), noise_seed(SAMPLED.seed, predraft.prefix))
+            assert sample_compressed(q_prime, seeds, positions).tolist() == predraft.token_ids
 
 
 def test_a_hit_makes_the_outcomes_slot_the_sequences_own_and_drafts_as_a_recompute_would():
