@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,20 +23,29 @@ from tandem.tls import ClientTls
 POLL_BACKOFF_MS = 200  # how often wait_healthy's channel retries a service not yet listening
 
 
-_handed_out: set[int] = set()  # ports free_port gave this process: the kernel may offer a closed one again
+_handed_out: set[int] = set()  # ports free_port gave this process
 _handing_out = threading.Lock()
+# Below Linux's default ephemeral range (32768-60999): the kernel gives those to every process's
+# outgoing connections and bind(0), so a port found free there may be taken before the service binds it.
+PORT_RANGE = range(20000, 32768)
+_ports = random.SystemRandom()  # not the global generator, which a test may seed alike in every worker
 
 
 def free_port() -> int:
-    """A loopback port free now and never handed out before by this process."""
+    """A loopback port free now, outside the ephemeral range, never handed out before by this process.
+    Chosen at random, so that processes picking ports at once (test workers) rarely pick the same."""
     with _handing_out:
         while True:
+            port = _ports.choice(PORT_RANGE)
+            if port in _handed_out:
+                continue
             with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            if port not in _handed_out:
-                _handed_out.add(port)
-                return port
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
 
 
 @dataclass
