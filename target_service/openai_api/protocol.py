@@ -3,7 +3,7 @@
 The models declare every field a request may carry: OpenAI's names and vLLM's extensions side by
 side, and Tandem's own (`speculate`, `num_speculative_tokens`, `drafter_invariant`), the way vLLM
 takes its extensions. A field nobody declared is refused (OpenAI's own API does the same); a field
-declared but not served yet (tools, echo) is taken only at the
+declared but not served yet (tools, best_of) is taken only at the
 value that turns it off. Value ranges are the engine's to check (validation.py), once for every
 front door.
 """
@@ -136,8 +136,9 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0, le=UINT32_MAX)  # 0 only with echo: score the prompt
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: Any = None
+    echo: bool = False  # the prompt before the completion, with its tokens' logprobs when logprobs is set
     best_of: Any = None
     suffix: Any = None
 
@@ -161,7 +162,7 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "tools": (), "tool_choice": ("none",),
     "parallel_tool_calls": (), "functions": (), "function_call": ("none",), "add_generation_prompt": (True,),
     "continue_final_message": (False,), "add_special_tokens": (False,), "chat_template": (),
-    "chat_template_kwargs": ({},), "echo": (False,), "best_of": (1,), "suffix": (),
+    "chat_template_kwargs": ({},), "best_of": (1,), "suffix": (),
     "structural_tag": (), "whitespace_pattern": (), "disable_additional_properties": (False,),
     "disable_fallback": (False,),
 }
@@ -364,17 +365,35 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> generation_pb2
 
 def completion_request(body: CompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
-    request = generation_pb2.GenerateRequest(request_id=request_id, sampling_params=sampling_params(body, max_tokens))
+    if max_tokens == 0 and not body.echo:
+        raise ProtocolError("max_tokens", "must be at least 1; 0 is only allowed with echo: true, which returns "
+                                          "the prompt alone (to score it, with logprobs)")
+    # echo with max_tokens 0: the engine samples one token, which the response leaves out (as vLLM does)
+    params = sampling_params(body, max(max_tokens, 1))
     if body.logprobs is not None:
-        request.sampling_params.logprobs = body.logprobs
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ProtocolError("prompt", f"a batch of {len(prompt)} prompts is not supported yet; send one "
-                                          "prompt per request", code="unsupported_parameter")
-        prompt = prompt[0]
+        params.logprobs = body.logprobs
+        if body.echo and not params.HasField("prompt_logprobs"):
+            params.prompt_logprobs = body.logprobs  # an echoed prompt shows its tokens' logprobs too
+    request = generation_pb2.GenerateRequest(request_id=request_id, sampling_params=params)
+    prompt = _single_prompt(body.prompt)
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
         request.prompt_token_ids.ids.extend(_token_ids("prompt", prompt))
     return request
+
+
+def prompt_text(body: CompletionRequest) -> str | None:
+    """The prompt of a completion when it came as text; None when it came as token ids."""
+    prompt = _single_prompt(body.prompt)
+    return prompt if isinstance(prompt, str) else None
+
+
+def _single_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
+    """The one prompt of a body, out of a batch of one."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ProtocolError("prompt", f"a batch of {len(prompt)} prompts is not supported yet; send one "
+                                          "prompt per request", code="unsupported_parameter")
+        return prompt[0]
+    return prompt

@@ -89,9 +89,23 @@ class Logprobs:
                                  for lp in logprobs],
                 "text_offset": offsets}
 
+    def prompt(self, prompt_ids: list[int], logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        """The prompt's tokens as `text` shows a completion's (echo); the first has no logprob: null."""
+        first = self.token_text(prompt_ids[0])
+        head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [self.offset]}
+        self.offset += len(first)
+        return joined([head, self.text(logprobs)])
+
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+
+def joined(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The logprobs objects of consecutive tokens as one (their lists end to end); None for none."""
+    if not parts:
+        return None
+    return {key: [value for part in parts for value in part[key]] for key in parts[0]}
 
 
 def prompt_logprobs(token_text: Callable[[int], str], prompt_ids: list[int],

@@ -72,7 +72,7 @@ class ApiError(Exception):
         return cls(status, err.message, err.field or None, "invalid_value" if status == 400 and err.field else None)
 
 
-Render = Callable[[list[TokenLogprob]], dict[str, Any]]  # one request's tokens' logprobs in OpenAI's shape
+Piece = tuple[str, dict[str, Any] | None]  # an output's text, and its tokens' logprobs in OpenAI's shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +84,50 @@ class Endpoint:
     chunk_object: str
     whole: Callable[[Completion, list[Sequence], list[str], list[dict[str, Any] | None], responses.Prompt],
                     dict[str, Any]]
-    chunker: Callable[[Completion, Sequence, Render | None], Callable[[Output], list[dict[str, Any]]]]
+    chunker: Callable[[Completion, Sequence, Callable[[Output], Piece]], Callable[[Output], list[dict[str, Any]]]]
     logprobs: Callable[[responses.Logprobs, list[TokenLogprob]], dict[str, Any]]
 
 
-def _chat_chunks(meta: Completion, seq: Sequence, render: Render | None) -> Callable[[Output], list[dict[str, Any]]]:
+@dataclass(slots=True)
+class Echo:
+    """echo on text completions, as vLLM serves it: each sample's text starts with the prompt's, and its
+    logprobs with the prompt tokens' (the first one null)."""
+
+    text: str  # the prompt as sent, or its token ids decoded
+    prompt_ids: list[int]
+    generate: bool  # false for max_tokens 0: the prompt alone, without the one token the engine sampled
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., once an output brought them
+
+
+def _pieces(endpoint: Endpoint, seq: Sequence, token_text: Callable[[int], str],
+            echo: Echo | None) -> Callable[[Output], Piece]:
+    """One sample's outputs as text and logprobs, the prompt's first when echoed."""
+    state = responses.Logprobs(token_text) if seq.options.logprobs is not None else None
+    echoed = echo is None
+
+    def piece(output: Output) -> Piece:
+        nonlocal echoed
+        texts, logprobs = [], []
+        if echo is not None and output.prompt_logprobs is not None:
+            echo.prompt_logprobs = output.prompt_logprobs  # they come with one sample's first output
+        if not echoed and (output.token_ids or output.finish is not None):
+            echoed = True
+            texts.append(echo.text)
+            if state is not None:
+                if echo.prompt_logprobs is None:
+                    raise RuntimeError("echo: the prompt's logprobs did not come with the first output")
+                logprobs.append(state.prompt(echo.prompt_ids, echo.prompt_logprobs))
+        if echo is None or echo.generate:
+            texts.append(output.text)
+            if state is not None and output.logprobs:
+                logprobs.append(endpoint.logprobs(state, output.logprobs))
+        return "".join(texts), responses.joined(logprobs)
+
+    return piece
+
+
+def _chat_chunks(meta: Completion, seq: Sequence,
+                 piece: Callable[[Output], Piece]) -> Callable[[Output], list[dict[str, Any]]]:
     """The role chunk with the first token (as vLLM: it marks the time to first token), a content
     chunk per output (with its tokens' logprobs when asked), and the last chunk with why the choice
     finished."""
@@ -100,9 +139,9 @@ def _chat_chunks(meta: Completion, seq: Sequence, render: Render | None) -> Call
         if output.token_ids and not role_sent:
             out.append(responses.chat_chunk(meta, seq, {"role": "assistant", "content": ""}))
             role_sent = True
-        logprobs = render(output.logprobs) if render is not None and output.logprobs else None
-        if output.text or logprobs is not None:
-            out.append(responses.chat_chunk(meta, seq, {"content": output.text}, logprobs=logprobs))
+        text, logprobs = piece(output)
+        if text or logprobs is not None:
+            out.append(responses.chat_chunk(meta, seq, {"content": text}, logprobs=logprobs))
         if output.finish is not None:
             out.append(responses.chat_chunk(meta, seq, {}, finished=True))
         return out
@@ -110,10 +149,11 @@ def _chat_chunks(meta: Completion, seq: Sequence, render: Render | None) -> Call
     return chunks
 
 
-def _text_chunks(meta: Completion, seq: Sequence, render: Render | None) -> Callable[[Output], list[dict[str, Any]]]:
+def _text_chunks(meta: Completion, seq: Sequence,
+                 piece: Callable[[Output], Piece]) -> Callable[[Output], list[dict[str, Any]]]:
     def chunks(output: Output) -> list[dict[str, Any]]:
-        logprobs = render(output.logprobs) if render is not None and output.logprobs else None
-        out = [responses.text_chunk(meta, seq, output.text, logprobs=logprobs)] if output.text or logprobs else []
+        text, logprobs = piece(output)
+        out = [responses.text_chunk(meta, seq, text, logprobs=logprobs)] if text or logprobs else []
         if output.finish is not None:
             out.append(responses.text_chunk(meta, seq, "", finished=True))
         return out
@@ -209,35 +249,39 @@ class OpenAIServer:
         meta = Completion(f"{endpoint.id_prefix}-{request_id}", endpoint.object, created, self.serving.loaded.name)
         try:
             async with self.serving.session(ours) as samples:
+                echo = self._echo(body, samples[0].prompt_ids)
+                pieces = [_pieces(endpoint, seq, self._token_text, echo) for seq in samples]
                 if not body.stream:
-                    return web.json_response(await self._whole(samples, meta, endpoint))
+                    return web.json_response(await self._whole(samples, meta, endpoint, pieces))
                 chunk_meta = Completion(meta.id, endpoint.chunk_object, created, meta.model)
-                chunkers = [endpoint.chunker(chunk_meta, seq, self._render(seq, endpoint)) for seq in samples]
+                chunkers = [endpoint.chunker(chunk_meta, seq, piece) for seq, piece in zip(samples, pieces)]
                 return await self._stream(request, samples, body.stream_options, chunk_meta, chunkers)
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             raise ApiError.of_request_error(err, renamed) from None
 
-    async def _whole(self, samples: list[Sequence], meta: Completion, endpoint: Endpoint) -> dict[str, Any]:
+    def _echo(self, body: Any, prompt_ids: list[int]) -> Echo | None:
+        """What a text completion with echo starts with; None for any other request."""
+        if not isinstance(body, protocol.CompletionRequest) or not body.echo:
+            return None
+        text = protocol.prompt_text(body)
+        if text is None:
+            text = self.serving.loaded.tokenizer.decode(prompt_ids)
+        return Echo(text, prompt_ids, generate=body.max_tokens != 0)
+
+    async def _whole(self, samples: list[Sequence], meta: Completion, endpoint: Endpoint,
+                     pieces: list[Callable[[Output], Piece]]) -> dict[str, Any]:
         """The body of a request not streamed: a choice per sample, once every sample finished."""
         outputs = [output async for output in self.serving.outputs(samples)]
         if any(output.finish is FinishReason.ABORT for output in outputs):
             raise ApiError(503, SERVER_ABORTED)
-        texts, logprobs = [], []
-        for seq in samples:
-            mine = [output for output in outputs if output.index == seq.index]
-            texts.append("".join(output.text for output in mine))
-            render = self._render(seq, endpoint)
-            logprobs.append(render([lp for output in mine for lp in output.logprobs or ()]) if render else None)
+        parts: list[list[Piece]] = [[] for _ in samples]
+        for output in outputs:  # in the order they came, as a stream takes them
+            parts[output.index].append(pieces[output.index](output))
+        texts = ["".join(text for text, _ in mine) for mine in parts]
+        logprobs = [responses.joined([lp for _, lp in mine if lp is not None]) for mine in parts]
         prompt = next((output.prompt_logprobs for output in outputs if output.prompt_logprobs is not None), None)
         return endpoint.whole(meta, samples, texts, logprobs,
                               responses.prompt_logprobs(self._token_text, samples[0].prompt_ids, prompt))
-
-    def _render(self, seq: Sequence, endpoint: Endpoint) -> Render | None:
-        """How this request's logprobs are shown; None when it asked for none."""
-        if seq.options.logprobs is None:
-            return None
-        state = responses.Logprobs(self._token_text)
-        return lambda logprobs: endpoint.logprobs(state, logprobs)
 
     async def _body(self, request: web.Request, model: type) -> Any:
         try:

@@ -75,7 +75,8 @@ SANE = {
     "num_speculative_tokens": st.integers(0, 8),
 }
 # Where the completions endpoint's sane value differs from chat's, and chat's fields it lacks.
-SANE_COMPLETION = {"logprobs": st.sampled_from([None, 0, 2])}
+SANE_COMPLETION = {"logprobs": st.sampled_from([None, 0, 2]), "echo": st.booleans(),
+                   "max_tokens": st.integers(0, 4)}  # 0: with echo, the prompt alone; without, a 400
 CHAT_ONLY = {"top_logprobs"}
 ROLES = st.sampled_from(["system", "user", "assistant", "tool"])
 SANE_INPUT = {
@@ -87,7 +88,7 @@ WILD_INPUT = {
                          max_size=3) | json_values,
     "prompt": st.lists(texts, max_size=3) | st.lists(st.integers(-5, 2**33), max_size=8) | json_values,
 }
-WILD = {name: json_values for name in SANE} | {"frobnicate": json_values}
+WILD = {name: json_values for name in SANE | SANE_COMPLETION} | {"frobnicate": json_values}
 
 
 @st.composite
@@ -95,7 +96,7 @@ def http_requests(draw) -> tuple[str, bytes]:
     wild = draw(st.sets(st.sampled_from(sorted(WILD)), max_size=2) | st.just(set()))
     chat = draw(st.booleans())
     sane = SANE if chat else {name: value for name, value in (SANE | SANE_COMPLETION).items() if name not in CHAT_ONLY}
-    body = {name: draw((WILD if name in wild else sane)[name]) for name in SANE | WILD
+    body = {name: draw((WILD if name in wild else sane)[name]) for name in sane | WILD
             if name in wild or (name in sane and draw(st.booleans()))}
     field = "messages" if chat else "prompt"
     body[field] = draw((WILD_INPUT if draw(st.integers(0, 3)) == 0 else SANE_INPUT)[field])

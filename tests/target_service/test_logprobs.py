@@ -1,15 +1,18 @@
 """Logprobs through the three front doors, in each protocol's shape, from real clients: the OpenAI SDK
-(chat and completions, streamed or not), vLLM's VllmEngine stub, and tandem.v1. Every door gives
-the same numbers (the pair's identity with the target alone: tests/system/test_logprobs_pair.py)."""
+(chat and completions, streamed or not, and completions that echo their prompt), vLLM's VllmEngine
+stub, and tandem.v1. Every door gives the same numbers (the pair's identity with the target alone:
+tests/system/test_logprobs_pair.py)."""
 from __future__ import annotations
 
 import grpc
+import httpx
 import openai
 import pytest
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from tests.support.service_fixtures import greedy_request, run_requests
 from tandem.runtime import load_tokenizer
+from tandem.v1 import generation_pb2
 
 PROMPT = "Name three colours."
 TOKENS = 12
@@ -146,3 +149,76 @@ def test_vllm_engine_sends_input_logprobs_with_each_samples_first_chunk_and_ever
                 assert [v.value for v in got.token_logprobs[1:]] == [lp.logprob for lp in expected]
                 assert [list(top.token_ids) for top in got.top_logprobs[1:]] == \
                     [list(lp.top_token_ids) for lp in expected]
+
+
+def _lm_eval_choice(response: dict, ctxlen: int) -> tuple[float, bool]:
+    """What lm-evaluation-harness's local-completions takes from an echoed answer: the continuation's
+    loglikelihood (the prompt's tokens past the context; the one generated token left out) and
+    whether each of its tokens was the most likely."""
+    logprobs = response["choices"][0]["logprobs"]
+    values, tops = logprobs["token_logprobs"][ctxlen:-1], logprobs["top_logprobs"][ctxlen:-1]
+    return sum(values), all(value == max(top.values()) for value, top in zip(values, tops))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion(client, front_doors, prompt_expected, tokenizer,
+                                                                     stream):
+    ids, expected = prompt_expected
+    [completion] = run_requests(front_doors.address, [generation_pb2.GenerateRequest(
+        prompt_token_ids=generation_pb2.TokenIds(ids=ids),
+        sampling_params=generation_pb2.SamplingParams(temperature=0, max_tokens=3, logprobs=2))])
+    text = tokenizer.decode(ids)
+    response = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=3, temperature=0, logprobs=2,
+                                         echo=True, stream=stream)
+    chunks = list(response) if stream else [response]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text + completion.text
+    assert chunks[0].choices[0].text.startswith(text)
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    tokens = [t for p in parts for t in p.tokens]
+    values = [v for p in parts for v in p.token_logprobs]
+    tops = [top for p in parts for top in p.top_logprobs]
+    assert tokens == [tokenizer.decode([t]) for t in ids + completion.token_ids]
+    assert values == [None] + [lp.logprob for lp in expected] + [lp.logprob for lp in completion.logprobs]
+    assert tops[0] is None
+    for token, lp, top in zip(ids[1:], expected, tops[1:]):  # the prompt token and the top 2
+        assert top == {tokenizer.decode([t]): v for t, v in (*zip(lp.top_token_ids, lp.top_logprobs),
+                                                              (token, lp.logprob))}
+    assert [o for p in parts for o in p.text_offset] == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone_as_vllm_does(client, prompt_expected, tokenizer):
+    ids, expected = prompt_expected
+    for prompt, text in ((ids, tokenizer.decode(ids)), ("The three primary colors are", None)):
+        for stream in (False, True):
+            response = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=0, temperature=0,
+                                                 logprobs=2, echo=True, stream=stream)
+            chunks = list(response) if stream else [response]
+            choices = [c.choices[0] for c in chunks if c.choices]
+            assert "".join(c.text for c in choices) == (text if text is not None else prompt)
+            assert choices[-1].finish_reason == "length"
+            values = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs]
+            if prompt is ids:
+                assert values == [None] + [lp.logprob for lp in expected]
+            else:
+                assert values[0] is None and len(values) == len(tokenizer.encode(prompt))
+    plain = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=0, echo=True)
+    assert plain.choices[0].text == tokenizer.decode(ids) and plain.choices[0].logprobs is None
+    assert plain.usage.completion_tokens == 1, "the one token the engine sampled, counted as vLLM counts it"
+
+
+def test_lm_evaluation_harness_loglikelihood_requests_score_the_continuation(front_doors, prompt_expected):
+    """local-completions' request for a loglikelihood, and its reading of the answer, with speculation
+    on (the n-gram drafter) and off: the same scores, equal to the prompt logprobs tandem.v1 sends."""
+    ids, expected = prompt_expected
+    ctxlen = len(ids) - 4  # the last 4 prompt tokens are the continuation scored
+    body = {"model": "smollm2-135m", "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}
+    scores = []
+    for speculate in (True, False):
+        response = httpx.post(front_doors.http_url + "/completions", json={**body, "speculate": speculate},
+                              timeout=120)
+        assert response.status_code == 200, response.text
+        scores.append(_lm_eval_choice(response.json(), ctxlen))
+    assert scores[0] == scores[1]
+    assert scores[0][0] == sum(lp.logprob for lp in expected[ctxlen - 1:])
+    assert scores[0][1] == all(lp.rank == 1 for lp in expected[ctxlen - 1:])
