@@ -115,6 +115,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """The same tokenizer rendering chats with another template (the target's --chat-template)."""
+        _compile_template(source)
+        return Tokenizer(self._backend, self._special, source)
+
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:

@@ -44,6 +44,10 @@ HELP = {
     "grammar_cache_size": "structured output: compiled grammars kept, by content hash (least recently used go first)",
     "grammar_compile_timeout": "structured output: seconds a constraint may take to compile before its request "
                                "gets INVALID_ARGUMENT",
+    "chat_template": "a Jinja chat template file, or a shipped one by name (smollm2_tool_use: the embedded "
+                     "model's template, showing it function tools in the Hermes format); default: the model's own",
+    "tool_call_parser": "how the model writes function calls, for tool_choice auto: hermes (<tool_call> blocks, "
+                        "as smollm2_tool_use shows it) or llama3_json; unset, auto is refused",
     "grace_seconds": "on SIGTERM, how long running requests may take to finish",
     "max_message_bytes": "the largest gRPC message either way, on both links, and the largest HTTP body",
     "tls_cert": "PEM certificate (chain) served to clients; with --tls-key turns TLS on",

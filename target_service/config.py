@@ -2,11 +2,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from target_service.drafter_addresses import DrafterAddresses
+from target_service.openai_api.tool_parsers import TOOL_PARSERS
 from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, PAGE_SIZE
 from tandem.tls import ClientTls, ServerTls, read_token
+
+
+CHAT_TEMPLATES = Path(__file__).parent / "chat_templates"
+
+
+def chat_template_source(name_or_path: str) -> str:
+    """The text of --chat-template: a file, or a template shipped in target_service/chat_templates/."""
+    shipped = CHAT_TEMPLATES / f"{name_or_path}.jinja"
+    path = shipped if shipped.is_file() else Path(name_or_path)
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in CHAT_TEMPLATES.glob("*.jinja")))
+        raise ValueError(f"--chat-template {name_or_path!r} is neither a file nor a shipped template ({names})")
+    return path.read_text()
 
 
 @dataclass(slots=True)
@@ -36,6 +51,10 @@ class TargetConfig:
     reconnect_max_seconds: float = 5.0
     grammar_cache_size: int = 256  # compiled structured-output grammars kept, by content hash
     grammar_compile_timeout: float = 10.0  # seconds; a constraint that takes longer gets INVALID_ARGUMENT
+    # a Jinja chat template file, or the name of one shipped in target_service/chat_templates/
+    # (smollm2_tool_use: the embedded model's, showing it function tools); empty: the model's own
+    chat_template: str = ""
+    tool_call_parser: str = ""  # how the model writes calls, for tool_choice auto (hermes, llama3_json); empty: off
     grace_seconds: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
     log_level: str = "INFO"
@@ -78,6 +97,10 @@ class TargetConfig:
         self.drafter_link_tls()
         if self.drafter:
             DrafterAddresses.parse(self.drafter)
+        if self.chat_template:
+            chat_template_source(self.chat_template)
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
         if self.auth_token and self.auth_token_file:
             raise ValueError("give --auth-token or --auth-token-file, not both")
 

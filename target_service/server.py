@@ -11,7 +11,7 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from tandem_kernels.logprobs import TokenLogprob
-from target_service.config import TargetConfig
+from target_service.config import TargetConfig, chat_template_source
 from target_service.drafter_link import DrafterLink
 from target_service.engine import Engine
 from target_service.errors import RequestError
@@ -113,6 +113,8 @@ async def serve(config: TargetConfig) -> None:
         num_slots=config.max_num_seqs, max_model_len=config.max_model_len, kv_cache_tokens=config.kv_cache_tokens or None,
         block_size=config.block_size,
     )
+    if config.chat_template:
+        loaded.tokenizer = loaded.tokenizer.with_chat_template(chat_template_source(config.chat_template))
     metrics = TargetMetrics(loaded.name)
     connect = None
     if config.drafter:

@@ -1,7 +1,9 @@
 """A GenerateRequest, checked field by field: prompt ids and RequestOptions, or INVALID_ARGUMENT."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -45,15 +47,48 @@ def prompt_ids_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer,
     return ids
 
 
+def _template_message(message: generation_pb2.ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (transformers' shape): a call's arguments as an object."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        rendered["tool_calls"] = [{"id": call.id, "type": "function",
+                                   "function": {"name": call.name, "arguments": _json_or_text(call.arguments)}}
+                                  for call in message.tool_calls]
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _template_tool(tool: generation_pb2.Tool, index: int) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        try:
+            function["parameters"] = json.loads(tool.parameters)
+        except json.JSONDecodeError as err:
+            raise invalid(f"chat.tools[{index}].parameters", f"is not JSON: {err}") from None
+    return {"type": "function", "function": function}
+
+
+def _json_or_text(text: str) -> Any:
+    """JSON text as its value; text that is not JSON as it is (a model may have written anything)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def _chat_ids(chat: generation_pb2.ChatMessages, tokenizer: Tokenizer) -> list[int]:
     if not chat.messages:
         raise invalid("chat.messages", "must not be empty")
     for index, message in enumerate(chat.messages):
         if message.role not in _CHAT_ROLES:
             raise invalid(f"chat.messages[{index}].role", f"{message.role!r} is not one of {', '.join(_CHAT_ROLES)}")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages = [_template_message(m) for m in chat.messages]
+    tools = [_template_tool(tool, index) for index, tool in enumerate(chat.tools)]
     try:
-        return tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat(messages, tools=tools or None)
     except TokenizerError as err:
         raise invalid("chat", str(err)) from err
 

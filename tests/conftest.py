@@ -65,12 +65,15 @@ def shared_drafter(tmp_path_factory):
 @pytest.fixture(scope="session")
 def front_doors(shared_drafter, tmp_path_factory):
     """A target serving every front door, speculating with the shared drafter: Generation and
-    VllmEngine on its gRPC port, the OpenAI API on its HTTP port."""
+    VllmEngine on its gRPC port, the OpenAI API on its HTTP port; its chat template shows tools (the
+    shipped smollm2_tool_use, which renders chats without tools as the model's own does), and the
+    Hermes parser reads the calls of tool_choice auto."""
     from tandem.launch import ServiceProcess, free_port
 
     logs = tmp_path_factory.mktemp("front-doors")
     target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512",
-                                               "--drafter", shared_drafter.address],
+                                               "--drafter", shared_drafter.address,
+                                               "--chat-template", "smollm2_tool_use", "--tool-call-parser", "hermes"],
                             log_path=logs / "target.log", http_port=free_port())
     try:
         yield target.start().wait_healthy().wait_metric("tandem_drafter_connected", 1)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import structured_pb2 as tandem_dot_v1_dot_structured__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\x1a\x1atandem/v1/structured.proto\"\xa7\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x05\x88\x01\x01\x12\x16\n\tspeculate\x18\x0b \x01(\x08H\x06\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x0c \x01(\rH\x07\x88\x01\x01\x12\x19\n\x11\x64rafter_invariant\x18\r \x01(\x08\x12\x38\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x11 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x12 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x13 \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x14 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\r\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12\x15\n\x08logprobs\x18\x17 \x01(\rH\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\rH\n\x88\x01\x01\x12\x0e\n\x01n\x18\x19 \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokensB\x0c\n\n_speculateB\x19\n\x17_num_speculative_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\tB\x07\n\x05input\"\x94\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x64raft_steps\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xa1\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x19\n\x11server_elapsed_ns\x18\x06 \x01(\x04\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xca\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x08 \x01(\t\x12\x19\n\x11\x64rafter_connected\x18\t \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x99\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\x1a\x1atandem/v1/structured.proto\"\xa7\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x05\x88\x01\x01\x12\x16\n\tspeculate\x18\x0b \x01(\x08H\x06\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x0c \x01(\rH\x07\x88\x01\x01\x12\x19\n\x11\x64rafter_invariant\x18\r \x01(\x08\x12\x38\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x11 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x12 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x13 \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x14 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\r\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12\x15\n\x08logprobs\x18\x17 \x01(\rH\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\rH\n\x88\x01\x01\x12\x0e\n\x01n\x18\x19 \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokensB\x0c\n\n_speculateB\x19\n\x17_num_speculative_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"X\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.tandem.v1.Tool\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\tB\x07\n\x05input\"\x94\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x64raft_steps\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xa1\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x19\n\x11server_elapsed_ns\x18\x06 \x01(\x04\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xca\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x08 \x01(\t\x12\x19\n\x11\x64rafter_connected\x18\t \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x99\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,30 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2141
-  _globals['_FINISHREASON']._serialized_end=2261
+  _globals['_FINISHREASON']._serialized_start=2356
+  _globals['_FINISHREASON']._serialized_end=2476
   _globals['_SAMPLINGPARAMS']._serialized_start=70
   _globals['_SAMPLINGPARAMS']._serialized_end=1005
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=770
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=818
-  _globals['_CHATMESSAGE']._serialized_start=1007
-  _globals['_CHATMESSAGE']._serialized_end=1051
-  _globals['_CHATMESSAGES']._serialized_start=1053
-  _globals['_CHATMESSAGES']._serialized_end=1109
-  _globals['_TOKENIDS']._serialized_start=1111
-  _globals['_TOKENIDS']._serialized_end=1134
-  _globals['_GENERATEREQUEST']._serialized_start=1137
-  _globals['_GENERATEREQUEST']._serialized_end=1358
-  _globals['_USAGE']._serialized_start=1361
-  _globals['_USAGE']._serialized_end=1509
-  _globals['_TOKENLOGPROB']._serialized_start=1511
-  _globals['_TOKENLOGPROB']._serialized_end=1619
-  _globals['_GENERATERESPONSE']._serialized_start=1622
-  _globals['_GENERATERESPONSE']._serialized_end=1911
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1913
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1934
-  _globals['_MODELINFO']._serialized_start=1937
-  _globals['_MODELINFO']._serialized_end=2139
-  _globals['_GENERATION']._serialized_start=2264
-  _globals['_GENERATION']._serialized_end=2417
+  _globals['_TOOLCALL']._serialized_start=1007
+  _globals['_TOOLCALL']._serialized_end=1062
+  _globals['_CHATMESSAGE']._serialized_start=1064
+  _globals['_CHATMESSAGE']._serialized_end=1171
+  _globals['_TOOL']._serialized_start=1173
+  _globals['_TOOL']._serialized_end=1234
+  _globals['_CHATMESSAGES']._serialized_start=1236
+  _globals['_CHATMESSAGES']._serialized_end=1324
+  _globals['_TOKENIDS']._serialized_start=1326
+  _globals['_TOKENIDS']._serialized_end=1349
+  _globals['_GENERATEREQUEST']._serialized_start=1352
+  _globals['_GENERATEREQUEST']._serialized_end=1573
+  _globals['_USAGE']._serialized_start=1576
+  _globals['_USAGE']._serialized_end=1724
+  _globals['_TOKENLOGPROB']._serialized_start=1726
+  _globals['_TOKENLOGPROB']._serialized_end=1834
+  _globals['_GENERATERESPONSE']._serialized_start=1837
+  _globals['_GENERATERESPONSE']._serialized_end=2126
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2128
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2149
+  _globals['_MODELINFO']._serialized_start=2152
+  _globals['_MODELINFO']._serialized_end=2354
+  _globals['_GENERATION']._serialized_start=2479
+  _globals['_GENERATION']._serialized_end=2632
 # @@protoc_insertion_point(module_scope)

@@ -3,7 +3,7 @@
 The models declare every field a request may carry: OpenAI's names and vLLM's extensions side by
 side, and Tandem's own (`speculate`, `num_speculative_tokens`, `drafter_invariant`), the way vLLM
 takes its extensions. A field nobody declared is refused (OpenAI's own API does the same); a field
-declared but not served yet (tools, best_of) is taken only at the
+declared but not served yet (functions, best_of) is taken only at the
 value that turns it off. Value ranges are the engine's to check (validation.py), once for every
 front door.
 """
@@ -43,10 +43,46 @@ class TextPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Body):
+    """A call an assistant message in the history made."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: Any = None  # a participant's name: refused (chat_messages), the chat template has no place for it
+    tool_calls: list[ToolCall] | None = None  # an assistant message's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # taken: a call that tool_choice asks for always follows the schema
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(_Body):
@@ -122,9 +158,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: Any = None
     function_call: Any = None
     add_generation_prompt: Any = None
@@ -159,8 +195,7 @@ class DetokenizeRequest(_Body):
 
 # The value of each unserved field that asks for nothing; `None` (unset) always does too.
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "tools": (), "tool_choice": ("none",),
-    "parallel_tool_calls": (), "functions": (), "function_call": ("none",), "add_generation_prompt": (True,),
+    "functions": (), "function_call": ("none",), "add_generation_prompt": (True,),
     "continue_final_message": (False,), "add_special_tokens": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "best_of": (1,), "suffix": (),
     "structural_tag": (), "whitespace_pattern": (), "disable_additional_properties": (False,),
@@ -345,8 +380,23 @@ def chat_messages(messages: list[ChatMessage], param: str = "messages") -> gener
                     raise ProtocolError(f"{where}.text", "is required in a text part")
                 texts.append(part.text)
             content = "\n".join(texts)
-        out.append(generation_pb2.ChatMessage(role=message.role, content=content or ""))
+        out.append(generation_pb2.ChatMessage(role=message.role, content=content or "",
+                                              tool_calls=_tool_calls(message, f"{param}[{index}]"),
+                                              tool_call_id=_tool_call_id(message, f"{param}[{index}]")))
     return generation_pb2.ChatMessages(messages=out)
+
+
+def _tool_calls(message: ChatMessage, where: str) -> list[generation_pb2.ToolCall]:
+    if message.tool_calls and message.role != "assistant":
+        raise ProtocolError(f"{where}.tool_calls", f"only an assistant message makes calls, not a {message.role!r} one")
+    return [generation_pb2.ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments)
+            for call in message.tool_calls or ()]
+
+
+def _tool_call_id(message: ChatMessage, where: str) -> str:
+    if message.role == "tool" and not message.tool_call_id:
+        raise ProtocolError(f"{where}.tool_call_id", "is required in a tool message: the id of the call it answers")
+    return message.tool_call_id or "" if message.role == "tool" else ""
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
@@ -356,6 +406,7 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> generation_pb2
         chat=chat_messages(body.messages),
         sampling_params=sampling_params(body, max_tokens),
     )
+
     if body.top_logprobs and not body.logprobs:
         raise ProtocolError("top_logprobs", "needs logprobs: true")
     if body.logprobs:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem_kernels.logprobs import TokenLogprob
+from target_service.openai_api.tools import ToolChoice, answer_of
 from target_service.sequence import FinishReason, Sequence
 
 LOWEST_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM sends this in its place
@@ -130,11 +131,19 @@ Prompt = list[dict[str, Any] | None] | None  # the prompt's logprobs (prompt_log
 
 
 def chat_response(meta: Completion, samples: list[Sequence], texts: list[str], logprobs: list[dict[str, Any] | None],
-                  prompt: Prompt = None) -> dict[str, Any]:
-    """A choice per sample; the prompt's logprobs go beside the choices, as vLLM puts them."""
-    choices = [{"index": seq.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                "finish_reason": finish_reason(seq), "stop_reason": seq.stop_reason}
-               for seq, text, lp in zip(samples, texts, logprobs, strict=True)]
+                  prompt: Prompt = None, tool_choice: ToolChoice | None = None) -> dict[str, Any]:
+    """A choice per sample; the prompt's logprobs go beside the choices, as vLLM puts them. The calls an
+    answer made (tool_choice) are the message's tool_calls."""
+    choices = []
+    for seq, text, lp in zip(samples, texts, logprobs, strict=True):
+        content, calls = answer_of(tool_choice, text) if tool_choice is not None else (text, None)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        reason = finish_reason(seq)
+        if calls is not None:
+            message["tool_calls"] = calls
+            reason = tool_choice.finish_reason if seq.finish is FinishReason.STOP else reason
+        choices.append({"index": seq.index, "message": message, "logprobs": lp, "finish_reason": reason,
+                        "stop_reason": seq.stop_reason})
     return meta.body(choices, usage=usage(samples), metrics=speculation_metrics(samples), prompt_logprobs=prompt)
 
 
@@ -148,11 +157,12 @@ def text_response(meta: Completion, samples: list[Sequence], texts: list[str], l
 
 
 def chat_chunk(meta: Completion, seq: Sequence, delta: dict[str, Any], finished: bool = False,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A delta of seq's choice; `finished`: the choice's last chunk, which carries why it finished."""
+               logprobs: dict[str, Any] | None = None, reason: str | None = None) -> dict[str, Any]:
+    """A delta of seq's choice; `finished`: the choice's last chunk, which carries why it finished
+    (`reason`, or the sequence's own)."""
     choice = {"index": seq.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
     if finished:
-        choice.update(finish_reason=finish_reason(seq), stop_reason=seq.stop_reason)
+        choice.update(finish_reason=reason or finish_reason(seq), stop_reason=seq.stop_reason)
     return meta.body([choice])
 
 

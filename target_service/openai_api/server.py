@@ -26,9 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from tandem_kernels.logprobs import TokenLogprob
 from target_service.errors import RequestError
-from target_service.openai_api import protocol, responses
+from target_service.openai_api import protocol, responses, tools
 from target_service.openai_api.protocol import ProtocolError
 from target_service.openai_api.responses import Completion
+from target_service.openai_api.tool_parsers import TOOL_PARSERS
 from target_service.sequence import FinishReason, Output, Sequence
 from target_service.serving import SERVER_ABORTED, Serving
 from target_service.validation import prompt_ids_of
@@ -82,9 +83,10 @@ class Endpoint:
     id_prefix: str
     object: str
     chunk_object: str
-    whole: Callable[[Completion, list[Sequence], list[str], list[dict[str, Any] | None], responses.Prompt],
-                    dict[str, Any]]
-    chunker: Callable[[Completion, Sequence, Callable[[Output], Piece]], Callable[[Output], list[dict[str, Any]]]]
+    # (meta, samples, texts, logprobs, prompt logprobs, **calling) -> the body not streamed
+    whole: Callable[..., dict[str, Any]]
+    # (meta, seq, its pieces, **calling) -> the chunks of each of its outputs
+    chunker: Callable[..., Callable[[Output], list[dict[str, Any]]]]
     logprobs: Callable[[responses.Logprobs, list[TokenLogprob]], dict[str, Any]]
 
 
@@ -126,12 +128,13 @@ def _pieces(endpoint: Endpoint, seq: Sequence, token_text: Callable[[int], str],
     return piece
 
 
-def _chat_chunks(meta: Completion, seq: Sequence,
-                 piece: Callable[[Output], Piece]) -> Callable[[Output], list[dict[str, Any]]]:
-    """The role chunk with the first token (as vLLM: it marks the time to first token), a content
-    chunk per output (with its tokens' logprobs when asked), and the last chunk with why the choice
-    finished."""
+def _chat_chunks(meta: Completion, seq: Sequence, piece: Callable[[Output], Piece],
+                 tool_choice: tools.ToolChoice | None = None) -> Callable[[Output], list[dict[str, Any]]]:
+    """The role chunk with the first token (as vLLM: it marks the time to first token), a chunk per
+    output (with its tokens' logprobs when asked), and the last chunk with why the choice finished.
+    The calls an answer makes (tool_choice) are sent as deltas of tool_calls."""
     role_sent = False
+    calls = tools.CallStream(tool_choice) if tool_choice is not None else None
 
     def chunks(output: Output) -> list[dict[str, Any]]:
         nonlocal role_sent
@@ -140,10 +143,18 @@ def _chat_chunks(meta: Completion, seq: Sequence,
             out.append(responses.chat_chunk(meta, seq, {"role": "assistant", "content": ""}))
             role_sent = True
         text, logprobs = piece(output)
-        if text or logprobs is not None:
-            out.append(responses.chat_chunk(meta, seq, {"content": text}, logprobs=logprobs))
+        entries = []
+        if calls is not None:
+            text, entries = calls.feed(text, last=output.finish is not None)
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if entries:
+            delta["tool_calls"] = entries
+        if delta or logprobs is not None:
+            out.append(responses.chat_chunk(meta, seq, delta or {"content": ""}, logprobs=logprobs))
         if output.finish is not None:
-            out.append(responses.chat_chunk(meta, seq, {}, finished=True))
+            called = calls is not None and calls.sent and seq.finish is FinishReason.STOP
+            out.append(responses.chat_chunk(meta, seq, {}, finished=True,
+                                            reason=tool_choice.finish_reason if called else None))
         return out
 
     return chunks
@@ -185,6 +196,8 @@ class OpenAIServer:
         self._runner: web.AppRunner | None = None
         tokenizer = serving.loaded.tokenizer
         self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
+        parser = serving.config.tool_call_parser
+        self.tool_parser = TOOL_PARSERS[parser] if parser else None  # tool_choice auto's
 
     async def start(self, host: str, port: int, tls: ServerTls | None) -> None:
         """Serves until stop(). A client that disconnects cancels its handler."""
@@ -231,7 +244,8 @@ class OpenAIServer:
         renamed = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
         if body.response_format is not None:
             renamed["structured_outputs"] = "response_format"
-        return await self._generate(request, body, protocol.chat_request, renamed, CHAT)
+        translate = functools.partial(tools.chat_request, parser=self.tool_parser)
+        return await self._generate(request, body, translate, renamed, CHAT)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, protocol.CompletionRequest)
@@ -251,13 +265,22 @@ class OpenAIServer:
             async with self.serving.session(ours) as samples:
                 echo = self._echo(body, samples[0].prompt_ids)
                 pieces = [_pieces(endpoint, seq, self._token_text, echo) for seq in samples]
+                calling = self._calling(body)
                 if not body.stream:
-                    return web.json_response(await self._whole(samples, meta, endpoint, pieces))
+                    return web.json_response(await self._whole(samples, meta, endpoint, pieces, calling))
                 chunk_meta = Completion(meta.id, endpoint.chunk_object, created, meta.model)
-                chunkers = [endpoint.chunker(chunk_meta, seq, piece) for seq, piece in zip(samples, pieces)]
+                chunkers = [endpoint.chunker(chunk_meta, seq, piece, **calling) for seq, piece in zip(samples, pieces)]
                 return await self._stream(request, samples, body.stream_options, chunk_meta, chunkers)
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             raise ApiError.of_request_error(err, renamed) from None
+
+    def _calling(self, body: Any) -> dict[str, Any]:
+        """The tool_choice keyword of a chat whose answer may call (validated already), for its whole
+        body and chunks; empty for every other request."""
+        if not isinstance(body, protocol.ChatCompletionRequest):
+            return {}
+        choice = tools.tool_choice(body, self.tool_parser)
+        return {} if choice is None else {"tool_choice": choice}
 
     def _echo(self, body: Any, prompt_ids: list[int]) -> Echo | None:
         """What a text completion with echo starts with; None for any other request."""
@@ -269,7 +292,7 @@ class OpenAIServer:
         return Echo(text, prompt_ids, generate=body.max_tokens != 0)
 
     async def _whole(self, samples: list[Sequence], meta: Completion, endpoint: Endpoint,
-                     pieces: list[Callable[[Output], Piece]]) -> dict[str, Any]:
+                     pieces: list[Callable[[Output], Piece]], calling: dict[str, Any]) -> dict[str, Any]:
         """The body of a request not streamed: a choice per sample, once every sample finished."""
         outputs = [output async for output in self.serving.outputs(samples)]
         if any(output.finish is FinishReason.ABORT for output in outputs):
@@ -281,7 +304,7 @@ class OpenAIServer:
         logprobs = [responses.joined([lp for _, lp in mine if lp is not None]) for mine in parts]
         prompt = next((output.prompt_logprobs for output in outputs if output.prompt_logprobs is not None), None)
         return endpoint.whole(meta, samples, texts, logprobs,
-                              responses.prompt_logprobs(self._token_text, samples[0].prompt_ids, prompt))
+                              responses.prompt_logprobs(self._token_text, samples[0].prompt_ids, prompt), **calling)
 
     async def _body(self, request: web.Request, model: type) -> Any:
         try:

@@ -46,6 +46,8 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70
                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
                            max_leaves=6)
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
 # Each field has a sane value and a wild one (any JSON value); an example makes a few fields wild.
 SANE = {
     "model": st.sampled_from(["smollm2-135m", None]),
@@ -73,11 +75,15 @@ SANE = {
     "structured_outputs": st.sampled_from([None, {"choice": ["yes", "no"]}, {"regex": "[a-z]{1,4}"}]),
     "speculate": st.booleans(),
     "num_speculative_tokens": st.integers(0, 8),
+    "tools": st.sampled_from([None, [], [TOOL]]),
+    "tool_choice": st.sampled_from([None, "none", "auto", "required", {"type": "function", "function": {"name": "f"}},
+                                    {"type": "function", "function": {"name": "g"}}]),
+    "parallel_tool_calls": st.booleans(),
 }
 # Where the completions endpoint's sane value differs from chat's, and chat's fields it lacks.
 SANE_COMPLETION = {"logprobs": st.sampled_from([None, 0, 2]), "echo": st.booleans(),
                    "max_tokens": st.integers(0, 4)}  # 0: with echo, the prompt alone; without, a 400
-CHAT_ONLY = {"top_logprobs"}
+CHAT_ONLY = {"top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 ROLES = st.sampled_from(["system", "user", "assistant", "tool"])
 SANE_INPUT = {
     "messages": st.lists(st.fixed_dictionaries({"role": ROLES, "content": texts}), min_size=1, max_size=2),

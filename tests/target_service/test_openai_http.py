@@ -195,7 +195,7 @@ def test_structured_json_follows_the_schema(front_doors, client):
       {"type": "json_object"}}, 400, "allowed_token_ids"),
     ({"messages": [{"role": "user", "content": "hi"}], "bad_words": [" "]}, 400, "bad_words[0]"),
     ({"messages": [{"role": "user", "content": "hi"}], "bad_words": "cat"}, 400, "bad_words"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, 400,

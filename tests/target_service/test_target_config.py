@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from target_service.config import TargetConfig
+from target_service.config import TargetConfig, chat_template_source
 from tandem.model.llama import build_model
 from tandem.model.random_weights import SHAPES, random_weights
 
@@ -39,3 +39,19 @@ def test_the_pool_holds_every_slot_at_full_length_unless_sized(kv_cache_tokens, 
     model = build_model(config, random_weights(config, seed=0), dtype=torch.float32, device="cpu",
                         num_slots=8, max_model_len=1000, kv_cache_tokens=kv_cache_tokens, block_size=block_size)
     assert model.kv_cache.num_blocks == blocks
+
+
+def test_a_chat_template_is_a_shipped_name_or_a_file(tmp_path):
+    assert "<tool_call>" in chat_template_source("smollm2_tool_use")
+    own = tmp_path / "mine.jinja"
+    own.write_text("{{ messages[0]['content'] }}")
+    assert chat_template_source(str(own)) == own.read_text()
+    with pytest.raises(ValueError, match="--chat-template 'smollm3' is neither a file nor a shipped template "
+                                         r"\(smollm2_tool_use\)"):
+        TargetConfig(chat_template="smollm3")
+
+
+def test_a_tool_call_parser_is_one_served():
+    assert TargetConfig(tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
+    with pytest.raises(ValueError, match="--tool-call-parser 'mistral' is not one of hermes, llama3_json"):
+        TargetConfig(tool_call_parser="mistral")
