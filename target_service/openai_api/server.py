@@ -244,8 +244,13 @@ class OpenAIServer:
         renamed = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
         if body.response_format is not None:
             renamed["structured_outputs"] = "response_format"
-        translate = functools.partial(tools.chat_request, parser=self.tool_parser)
-        return await self._generate(request, body, translate, renamed, CHAT)
+        try:
+            choice = tools.tool_choice(body, self.tool_parser)
+        except ProtocolError as err:
+            raise ApiError(400, str(err), err.param, err.code) from None
+        translate = functools.partial(tools.chat_request, choice=choice)
+        calling = {} if choice is None else {"tool_choice": choice}
+        return await self._generate(request, body, translate, renamed, CHAT, calling)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, protocol.CompletionRequest)
@@ -253,7 +258,9 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, body: Any,
                         translate: Callable[[Any, str], generation_pb2.GenerateRequest], renamed: dict[str, str],
-                        endpoint: Endpoint) -> web.StreamResponse:
+                        endpoint: Endpoint, calling: dict[str, Any] | None = None) -> web.StreamResponse:
+        """calling: the tool_choice keyword of a chat whose answer may call, for its body and chunks."""
+        calling = calling or {}
         request_id = request.headers.get(REQUEST_ID_HEADER) or body.request_id or uuid.uuid4().hex
         try:
             ours = translate(body, request_id)
@@ -265,7 +272,6 @@ class OpenAIServer:
             async with self.serving.session(ours) as samples:
                 echo = self._echo(body, samples[0].prompt_ids)
                 pieces = [_pieces(endpoint, seq, self._token_text, echo) for seq in samples]
-                calling = self._calling(body)
                 if not body.stream:
                     return web.json_response(await self._whole(samples, meta, endpoint, pieces, calling))
                 chunk_meta = Completion(meta.id, endpoint.chunk_object, created, meta.model)
@@ -273,14 +279,6 @@ class OpenAIServer:
                 return await self._stream(request, samples, body.stream_options, chunk_meta, chunkers)
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             raise ApiError.of_request_error(err, renamed) from None
-
-    def _calling(self, body: Any) -> dict[str, Any]:
-        """The tool_choice keyword of a chat whose answer may call (validated already), for its whole
-        body and chunks; empty for every other request."""
-        if not isinstance(body, protocol.ChatCompletionRequest):
-            return {}
-        choice = tools.tool_choice(body, self.tool_parser)
-        return {} if choice is None else {"tool_choice": choice}
 
     def _echo(self, body: Any, prompt_ids: list[int]) -> Echo | None:
         """What a text completion with echo starts with; None for any other request."""

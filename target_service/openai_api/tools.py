@@ -49,11 +49,10 @@ class ToolChoice:
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str,
-                 parser: ToolParser | None = None) -> generation_pb2.GenerateRequest:
-    """protocol.chat_request, with the tools for the chat template and the constraint tool_choice asks for.
-    parser: the target's --tool-call-parser, for `auto`."""
+                 choice: ToolChoice | None) -> generation_pb2.GenerateRequest:
+    """protocol.chat_request, with the tools for the chat template and the constraint of `choice`
+    (tool_choice(body), computed once per request)."""
     request = protocol.chat_request(body, request_id)
-    choice = tool_choice(body, parser)
     request.chat.tools.extend(template_tools(body.tools or []))
     if choice is not None and choice.constrained:
         request.sampling_params.structured_outputs.CopyFrom(constraint(choice, body.tools, body.parallel_tool_calls))
