@@ -12,8 +12,8 @@ from tandem.grpc_server import install_event_loop, set_torch_threads
 HELP = {
     "model": "embedded model name (smollm2-135m) or a path to a .gguf file or an HF folder",
     "metrics_port": "port of the Prometheus /metrics endpoint; 0 turns it off",
-    "http_port": "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
-                 "/health, /metrics, /tokenize, /detokenize), with the gRPC port's TLS and bearer token; "
+    "http_port": "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, "
+                 "/v1/models, /health, /metrics, /tokenize, /detokenize), with the gRPC port's TLS and bearer token; "
                  "0 turns it off",
     "vllm_grpc_port": "a second gRPC port serving vLLM's engine protocol (VllmEngine) alone and without the bearer "
                       "token, for a gateway (smg), which sends none: open it only to the gateway's network; "
@@ -48,6 +48,8 @@ HELP = {
                      "model's template, showing it function tools in the Hermes format); default: the model's own",
     "tool_call_parser": "how the model writes function calls, for tool_choice auto: hermes (<tool_call> blocks, "
                         "as smollm2_tool_use shows it) or llama3_json; unset, auto is refused",
+    "max_stored_responses": "Responses API: responses kept in memory (the least recently used forgotten first) for "
+                            "previous_response_id and GET /v1/responses/{id}; 0 keeps none",
     "grace_seconds": "on SIGTERM, how long running requests may take to finish",
     "max_message_bytes": "the largest gRPC message either way, on both links, and the largest HTTP body",
     "tls_cert": "PEM certificate (chain) served to clients; with --tls-key turns TLS on",

@@ -55,6 +55,7 @@ class TargetConfig:
     # (smollm2_tool_use: the embedded model's, showing it function tools); empty: the model's own
     chat_template: str = ""
     tool_call_parser: str = ""  # how the model writes calls, for tool_choice auto (hermes, llama3_json); empty: off
+    max_stored_responses: int = 1000  # Responses API: responses kept for previous_response_id; 0 keeps none
     grace_seconds: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
     log_level: str = "INFO"
@@ -81,7 +82,8 @@ class TargetConfig:
                         "max_queue": self.max_queue, "kv_cache_tokens": self.kv_cache_tokens,
                         "num_speculative_tokens": self.num_speculative_tokens,
                         "draft_wait_ms": self.draft_wait_ms, "grace_seconds": self.grace_seconds,
-                        "grammar_compile_timeout": self.grammar_compile_timeout}
+                        "grammar_compile_timeout": self.grammar_compile_timeout,
+                        "max_stored_responses": self.max_stored_responses}
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")

@@ -32,23 +32,23 @@ class ProtocolError(ValueError):
         self.code = code
 
 
-class _Body(BaseModel):
+class StrictBody(BaseModel):
     # strict: "0.5" is not a number and 1 is not a boolean, as in OpenAI's API.
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class TextPart(_Body):
+class TextPart(StrictBody):
     model_config = ConfigDict(extra="allow", strict=True)  # another part type carries other fields
     type: str
     text: str | None = None
 
 
-class FunctionCall(_Body):
+class FunctionCall(StrictBody):
     name: str
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCall(_Body):
+class ToolCall(StrictBody):
     """A call an assistant message in the history made."""
 
     id: str
@@ -56,7 +56,7 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(StrictBody):
     role: str
     content: str | list[TextPart] | None = None
     name: Any = None  # a participant's name: refused (chat_messages), the chat template has no place for it
@@ -64,45 +64,45 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(StrictBody):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None  # taken: a call that tool_choice asks for always follows the schema
 
 
-class ToolDefinition(_Body):
+class ToolDefinition(StrictBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Body):
+class FunctionName(StrictBody):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(StrictBody):
     type: Literal["function"]
     function: FunctionName
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(StrictBody):
     name: str
     schema_: dict[str, Any] | bool = Field(default=True, alias="schema")  # `schema` would shadow BaseModel's
     description: str | None = None
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsParams(_Body):
+class StructuredOutputsParams(StrictBody):
     """vLLM's `structured_outputs`: one constraint. Its other options are refused (see UNSERVED)."""
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
@@ -117,7 +117,7 @@ class StructuredOutputsParams(_Body):
     disable_fallback: Any = None
 
 
-class _Request(_Body):
+class _Request(StrictBody):
     """What both endpoints take."""
 
     model: str | None = None
@@ -179,7 +179,7 @@ class CompletionRequest(_Request):
     suffix: Any = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(StrictBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -188,7 +188,7 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[int]
 
@@ -200,10 +200,14 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "chat_template_kwargs": ({},), "best_of": (1,), "suffix": (),
     "structural_tag": (), "whitespace_pattern": (), "disable_additional_properties": (False,),
     "disable_fallback": (False,),
+    # the Responses API's (responses/protocol.py)
+    "reasoning": ({},), "background": (False,), "max_tool_calls": (), "verbosity": ("medium",),
+    "include_obfuscation": (False,), "truncation": ("disabled",),
 }
 
 
-def _check_unserved(body: BaseModel, prefix: str = "") -> None:
+def check_unserved(body: BaseModel, prefix: str = "") -> None:
+    """A ProtocolError for the first field of UNSERVED that asks for something."""
     for name, neutral in UNSERVED.items():
         if name not in type(body).model_fields:
             continue
@@ -232,9 +236,9 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise _protocol_error(err) from None
     if not isinstance(parsed, _Request):  # /tokenize and /detokenize declare only what they serve
         return parsed
-    _check_unserved(parsed)
+    check_unserved(parsed)
     if parsed.structured_outputs is not None:
-        _check_unserved(parsed.structured_outputs, "structured_outputs.")
+        check_unserved(parsed.structured_outputs, "structured_outputs.")
     if parsed.stream_options is not None and not parsed.stream:
         raise ProtocolError("stream_options", "is only allowed when stream is true")
     if parsed.stream and parsed.prompt_logprobs:  # vLLM's rule: a chunk has no place for them
@@ -242,11 +246,20 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
     return parsed
 
 
-def _protocol_error(err: ValidationError) -> ProtocolError:
+def parse_value(model: type[BaseModel], value: Any, where: str) -> Any:
+    """A part of a body (already JSON) as `model`, or a ProtocolError naming the field under `where`."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as err:
+        raise _protocol_error(err, where) from None
+
+
+def _protocol_error(err: ValidationError, where: str = "") -> ProtocolError:
     first = err.errors(include_url=False)[0]
     if first["type"] == "json_invalid":
         return ProtocolError(None, f"the body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}")
     param = _param_of(first["loc"])
+    param = f"{where}.{param}" if where and param else where or param
     if first["type"] == "extra_forbidden":
         return ProtocolError(param, "is not a parameter this server takes", code="unknown_parameter")
     if not param:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front door (`--http-port`), on aiohttp, on the gRPC server's event loop.
 
 It only translates: a body into the engine's GenerateRequest (protocol.py), the sequence's
-outputs into OpenAI's bodies and server-sent events (responses.py). Admission, validation and
+outputs into OpenAI's bodies and server-sent events (bodies.py); the Responses API translates into
+chat completions (responses/). Admission, validation and
 abort are Serving's, as for gRPC. aiohttp was measured against Starlette on uvicorn for this
 (bench/http_servers.py, docs/design.md): less CPU per streamed event and a shorter first byte.
 """
@@ -19,16 +20,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from aiohttp import web
 from aiohttp_sse import sse_response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from tandem_kernels.logprobs import TokenLogprob
 from target_service.errors import RequestError
-from target_service.openai_api import protocol, responses, tools
+from target_service.openai_api import bodies, protocol, tools
+from target_service.openai_api.bodies import Completion
+from target_service.openai_api.errors import ApiError
+from target_service.openai_api.pieces import Echo, LogprobsOf, Piece, pieces
 from target_service.openai_api.protocol import ProtocolError
-from target_service.openai_api.responses import Completion
+from target_service.openai_api.responses.routes import ResponsesApi
 from target_service.openai_api.tool_parsers import TOOL_PARSERS
 from target_service.sequence import FinishReason, Output, Sequence
 from target_service.serving import SERVER_ABORTED, Serving
@@ -41,41 +43,6 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no token, as on vLLM
 REQUEST_ID_HEADER = "X-Request-Id"
 
-_STATUS_OF_CODE = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-}
-_TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                   405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
-# The engine's field names where OpenAI's differ: a chat's messages, a prompt of token ids.
-_OPENAI_FIELDS = {"chat.messages": "messages", "chat": "messages", "prompt_token_ids": "prompt", "input": "prompt"}
-
-
-class ApiError(Exception):
-    """An error response in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> web.Response:
-        error_type = _TYPE_OF_STATUS.get(self.status, "server_error")
-        return web.json_response(responses.error_body(self.message, error_type, self.param, self.code),
-                                 status=self.status)
-
-    @classmethod
-    def of_request_error(cls, err: RequestError, renamed: dict[str, str]) -> ApiError:
-        """The engine's refusal, its field named as this request named it."""
-        status = _STATUS_OF_CODE.get(err.code, 500)
-        err = err.renamed({**_OPENAI_FIELDS, **renamed})
-        return cls(status, err.message, err.field or None, "invalid_value" if status == 400 and err.field else None)
-
-
-Piece = tuple[str, dict[str, Any] | None]  # an output's text, and its tokens' logprobs in OpenAI's shape
-
-
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     """What differs between chat and text completions."""
@@ -87,45 +54,7 @@ class Endpoint:
     whole: Callable[..., dict[str, Any]]
     # (meta, seq, its pieces, **calling) -> the chunks of each of its outputs
     chunker: Callable[..., Callable[[Output], list[dict[str, Any]]]]
-    logprobs: Callable[[responses.Logprobs, list[TokenLogprob]], dict[str, Any]]
-
-
-@dataclass(slots=True)
-class Echo:
-    """echo on text completions, as vLLM serves it: each sample's text starts with the prompt's, and its
-    logprobs with the prompt tokens' (the first one null)."""
-
-    text: str  # the prompt as sent, or its token ids decoded
-    prompt_ids: list[int]
-    generate: bool  # false for max_tokens 0: the prompt alone, without the one token the engine sampled
-    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., once an output brought them
-
-
-def _pieces(endpoint: Endpoint, seq: Sequence, token_text: Callable[[int], str],
-            echo: Echo | None) -> Callable[[Output], Piece]:
-    """One sample's outputs as text and logprobs, the prompt's first when echoed."""
-    state = responses.Logprobs(token_text) if seq.options.logprobs is not None else None
-    echoed = echo is None
-
-    def piece(output: Output) -> Piece:
-        nonlocal echoed
-        texts, logprobs = [], []
-        if echo is not None and output.prompt_logprobs is not None:
-            echo.prompt_logprobs = output.prompt_logprobs  # they come with one sample's first output
-        if not echoed and (output.token_ids or output.finish is not None):
-            echoed = True
-            texts.append(echo.text)
-            if state is not None:
-                if echo.prompt_logprobs is None:
-                    raise RuntimeError("echo: the prompt's logprobs did not come with the first output")
-                logprobs.append(state.prompt(echo.prompt_ids, echo.prompt_logprobs))
-        if echo is None or echo.generate:
-            texts.append(output.text)
-            if state is not None and output.logprobs:
-                logprobs.append(endpoint.logprobs(state, output.logprobs))
-        return "".join(texts), responses.joined(logprobs)
-
-    return piece
+    logprobs: LogprobsOf
 
 
 def _chat_chunks(meta: Completion, seq: Sequence, piece: Callable[[Output], Piece],
@@ -140,7 +69,7 @@ def _chat_chunks(meta: Completion, seq: Sequence, piece: Callable[[Output], Piec
         nonlocal role_sent
         out = []
         if output.token_ids and not role_sent:
-            out.append(responses.chat_chunk(meta, seq, {"role": "assistant", "content": ""}))
+            out.append(bodies.chat_chunk(meta, seq, {"role": "assistant", "content": ""}))
             role_sent = True
         text, logprobs = piece(output)
         entries = []
@@ -150,10 +79,10 @@ def _chat_chunks(meta: Completion, seq: Sequence, piece: Callable[[Output], Piec
         if entries:
             delta["tool_calls"] = entries
         if delta or logprobs is not None:
-            out.append(responses.chat_chunk(meta, seq, delta or {"content": ""}, logprobs=logprobs))
+            out.append(bodies.chat_chunk(meta, seq, delta or {"content": ""}, logprobs=logprobs))
         if output.finish is not None:
             called = calls is not None and calls.sent and seq.finish is FinishReason.STOP
-            out.append(responses.chat_chunk(meta, seq, {}, finished=True,
+            out.append(bodies.chat_chunk(meta, seq, {}, finished=True,
                                             reason=tool_choice.finish_reason if called else None))
         return out
 
@@ -164,18 +93,18 @@ def _text_chunks(meta: Completion, seq: Sequence,
                  piece: Callable[[Output], Piece]) -> Callable[[Output], list[dict[str, Any]]]:
     def chunks(output: Output) -> list[dict[str, Any]]:
         text, logprobs = piece(output)
-        out = [responses.text_chunk(meta, seq, text, logprobs=logprobs)] if text or logprobs else []
+        out = [bodies.text_chunk(meta, seq, text, logprobs=logprobs)] if text or logprobs else []
         if output.finish is not None:
-            out.append(responses.text_chunk(meta, seq, "", finished=True))
+            out.append(bodies.text_chunk(meta, seq, "", finished=True))
         return out
 
     return chunks
 
 
-CHAT = Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", responses.chat_response, _chat_chunks,
-                responses.Logprobs.chat)
-TEXT = Endpoint("cmpl", "text_completion", "text_completion", responses.text_response, _text_chunks,
-                responses.Logprobs.text)
+CHAT = Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", bodies.chat_response, _chat_chunks,
+                bodies.Logprobs.chat)
+TEXT = Endpoint("cmpl", "text_completion", "text_completion", bodies.text_response, _text_chunks,
+                bodies.Logprobs.text)
 
 
 class OpenAIServer:
@@ -188,6 +117,8 @@ class OpenAIServer:
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors, self._auth])
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/v1/completions", self.completions)
+        self.responses = ResponsesApi(self, serving.config.max_stored_responses)
+        self.responses.add_routes(self.app)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.metrics)
@@ -195,7 +126,7 @@ class OpenAIServer:
         self.app.router.add_post("/detokenize", self.detokenize)
         self._runner: web.AppRunner | None = None
         tokenizer = serving.loaded.tokenizer
-        self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
         parser = serving.config.tool_call_parser
         self.tool_parser = TOOL_PARSERS[parser] if parser else None  # tool_choice auto's
 
@@ -240,20 +171,20 @@ class OpenAIServer:
     # ---- generation --------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request, protocol.ChatCompletionRequest)
+        body = await self.read_body(request, protocol.ChatCompletionRequest)
         renamed = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
         if body.response_format is not None:
             renamed["structured_outputs"] = "response_format"
         try:
             choice = tools.tool_choice(body, self.tool_parser)
         except ProtocolError as err:
-            raise ApiError(400, str(err), err.param, err.code) from None
+            raise ApiError.of_protocol_error(err) from None
         translate = functools.partial(tools.chat_request, choice=choice)
         calling = {} if choice is None else {"tool_choice": choice}
         return await self._generate(request, body, translate, renamed, CHAT, calling)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request, protocol.CompletionRequest)
+        body = await self.read_body(request, protocol.CompletionRequest)
         return await self._generate(request, body, protocol.completion_request, {}, TEXT)
 
     async def _generate(self, request: web.Request, body: Any,
@@ -261,24 +192,29 @@ class OpenAIServer:
                         endpoint: Endpoint, calling: dict[str, Any] | None = None) -> web.StreamResponse:
         """calling: the tool_choice keyword of a chat whose answer may call, for its body and chunks."""
         calling = calling or {}
-        request_id = request.headers.get(REQUEST_ID_HEADER) or body.request_id or uuid.uuid4().hex
+        request_id = self.request_id(request, body, uuid.uuid4().hex)
         try:
             ours = translate(body, request_id)
         except ProtocolError as err:
-            raise ApiError(400, str(err), err.param, err.code) from None
+            raise ApiError.of_protocol_error(err) from None
         created = int(time.time())
         meta = Completion(f"{endpoint.id_prefix}-{request_id}", endpoint.object, created, self.serving.loaded.name)
         try:
             async with self.serving.session(ours) as samples:
                 echo = self._echo(body, samples[0].prompt_ids)
-                pieces = [_pieces(endpoint, seq, self._token_text, echo) for seq in samples]
+                per_sample = [pieces(endpoint.logprobs, seq, self.token_text, echo) for seq in samples]
                 if not body.stream:
-                    return web.json_response(await self._whole(samples, meta, endpoint, pieces, calling))
+                    return web.json_response(await self._whole(samples, meta, endpoint, per_sample, calling))
                 chunk_meta = Completion(meta.id, endpoint.chunk_object, created, meta.model)
-                chunkers = [endpoint.chunker(chunk_meta, seq, piece, **calling) for seq, piece in zip(samples, pieces)]
+                chunkers = [endpoint.chunker(chunk_meta, seq, piece, **calling) for seq, piece in zip(samples, per_sample)]
                 return await self._stream(request, samples, body.stream_options, chunk_meta, chunkers)
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             raise ApiError.of_request_error(err, renamed) from None
+
+    @staticmethod
+    def request_id(request: web.Request, body: Any, default: str) -> str:
+        """The engine's id of a request: the X-Request-Id header's, the body's request_id, or `default`."""
+        return request.headers.get(REQUEST_ID_HEADER) or body.request_id or default
 
     def _echo(self, body: Any, prompt_ids: list[int]) -> Echo | None:
         """What a text completion with echo starts with; None for any other request."""
@@ -290,21 +226,21 @@ class OpenAIServer:
         return Echo(text, prompt_ids, generate=body.max_tokens != 0)
 
     async def _whole(self, samples: list[Sequence], meta: Completion, endpoint: Endpoint,
-                     pieces: list[Callable[[Output], Piece]], calling: dict[str, Any]) -> dict[str, Any]:
+                     per_sample: list[Callable[[Output], Piece]], calling: dict[str, Any]) -> dict[str, Any]:
         """The body of a request not streamed: a choice per sample, once every sample finished."""
         outputs = [output async for output in self.serving.outputs(samples)]
         if any(output.finish is FinishReason.ABORT for output in outputs):
             raise ApiError(503, SERVER_ABORTED)
         parts: list[list[Piece]] = [[] for _ in samples]
         for output in outputs:  # in the order they came, as a stream takes them
-            parts[output.index].append(pieces[output.index](output))
+            parts[output.index].append(per_sample[output.index](output))
         texts = ["".join(text for text, _ in mine) for mine in parts]
-        logprobs = [responses.joined([lp for _, lp in mine if lp is not None]) for mine in parts]
+        logprobs = [bodies.joined([lp for _, lp in mine if lp is not None]) for mine in parts]
         prompt = next((output.prompt_logprobs for output in outputs if output.prompt_logprobs is not None), None)
         return endpoint.whole(meta, samples, texts, logprobs,
-                              responses.prompt_logprobs(self._token_text, samples[0].prompt_ids, prompt), **calling)
+                              bodies.prompt_logprobs(self.token_text, samples[0].prompt_ids, prompt), **calling)
 
-    async def _body(self, request: web.Request, model: type) -> Any:
+    async def read_body(self, request: web.Request, model: type) -> Any:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -313,7 +249,7 @@ class OpenAIServer:
         try:
             body = protocol.parse_body(model, raw)
         except ProtocolError as err:
-            raise ApiError(400, str(err), err.param, err.code) from None
+            raise ApiError.of_protocol_error(err) from None
         if getattr(body, "model", None) not in (None, "", self.serving.loaded.name):
             raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
                                 f"`{self.serving.loaded.name}`", "model", "model_not_found")
@@ -333,22 +269,22 @@ class OpenAIServer:
             try:
                 async for output in self.serving.outputs(samples):
                     if output.finish is FinishReason.ABORT:
-                        await sse.send(json.dumps(responses.error_body(SERVER_ABORTED, "server_error")))
+                        await sse.send(json.dumps(bodies.error_body(SERVER_ABORTED, "server_error")))
                         break
                     for chunk in chunkers[output.index](output):
                         if continuous:
-                            chunk["usage"] = responses.usage(samples)
+                            chunk["usage"] = bodies.usage(samples)
                         await sse.send(json.dumps(chunk))
                 else:
                     if include_usage:
-                        await sse.send(json.dumps(responses.usage_chunk(meta, samples)))
+                        await sse.send(json.dumps(bodies.usage_chunk(meta, samples)))
                 await sse.send("[DONE]")
             except (ConnectionResetError, TimeoutError):
                 pass
             except Exception:
                 log.exception("%s: the stream failed", samples[0].request_id)
                 with contextlib.suppress(ConnectionResetError, TimeoutError):
-                    await sse.send(json.dumps(responses.error_body("internal error; the server logged it",
+                    await sse.send(json.dumps(bodies.error_body("internal error; the server logged it",
                                                                    "server_error")))
                     await sse.send("[DONE]")
         return sse
@@ -370,7 +306,7 @@ class OpenAIServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request, protocol.TokenizeRequest)
+        body = await self.read_body(request, protocol.TokenizeRequest)
         tokenizer = self.serving.loaded.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give prompt or messages, one of them", "prompt")
@@ -385,7 +321,7 @@ class OpenAIServer:
                 ids = prompt_ids_of(generation_pb2.GenerateRequest(chat=chat), tokenizer,
                                     self.serving.loaded.config.vocab_size)
             except ProtocolError as err:
-                raise ApiError(400, str(err), err.param, err.code) from None
+                raise ApiError.of_protocol_error(err) from None
             except RequestError as err:
                 raise ApiError.of_request_error(err, {}) from None
         reply = {"count": len(ids), "max_model_len": self.serving.config.max_model_len, "tokens": ids,
@@ -393,7 +329,7 @@ class OpenAIServer:
         return web.json_response(reply)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request, protocol.DetokenizeRequest)
+        body = await self.read_body(request, protocol.DetokenizeRequest)
         vocab = self.serving.loaded.config.vocab_size
         bad = [i for i in body.tokens if not 0 <= i < vocab]
         if bad:

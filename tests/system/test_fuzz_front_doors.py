@@ -1,4 +1,5 @@
-"""Generated requests on the new front doors, hostile ones included: OpenAI HTTP bodies (malformed
+"""Generated requests on the new front doors, hostile ones included: OpenAI HTTP bodies on chat,
+completions and responses (malformed
 JSON, wrong types, unknown and unserved fields, bad UTF-8, bodies over the limit) and VllmEngine
 requests (wild sampling fields, raw bytes where strings belong). Each ends with success or a
 clear refusal in its protocol's shape, and the server lives and serves as before.
@@ -94,17 +95,50 @@ WILD_INPUT = {
                          max_size=3) | json_values,
     "prompt": st.lists(texts, max_size=3) | st.lists(st.integers(-5, 2**33), max_size=8) | json_values,
 }
-WILD = {name: json_values for name in SANE | SANE_COMPLETION} | {"frobnicate": json_values}
+RESPONSES_TOOL = {"type": "function", "name": "f", "parameters": TOOL["function"]["parameters"]}
+# The Responses API's fields: its own names, and the sampling fields it shares with chat.
+SANE_RESPONSES = {name: SANE[name] for name in ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
+                                               "top_logprobs", "repetition_penalty", "speculate")} | {
+    "max_output_tokens": st.integers(1, 4),
+    "instructions": st.none() | texts,
+    "store": st.booleans(),
+    "previous_response_id": st.sampled_from([None, "resp_unknown"]),
+    "include": st.sampled_from([None, [], ["message.output_text.logprobs"], ["reasoning.encrypted_content"]]),
+    "tools": st.sampled_from([None, [], [RESPONSES_TOOL], [{"type": "web_search"}]]),
+    "tool_choice": st.sampled_from([None, "none", "auto", "required", {"type": "function", "name": "f"},
+                                    {"type": "function", "name": "g"}]),
+    "text": st.sampled_from([None, {"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                             {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+                             {"format": {"type": "json_schema", "schema": {}}}]),
+    "truncation": st.sampled_from([None, "disabled", "auto"]),
+    "metadata": st.sampled_from([None, {}, {"k": "v"}]),
+}
+ITEMS = st.sampled_from([
+    {"role": "user", "content": "Hi"},
+    {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{\"x\": 1}"},
+    {"type": "function_call_output", "call_id": "c1", "output": "2"},
+    {"type": "reasoning", "summary": []},
+])
+SANE_INPUT["input"] = texts.filter(bool) | st.lists(ITEMS, min_size=1, max_size=3)
+WILD_INPUT["input"] = st.lists(json_values | ITEMS, max_size=3) | json_values
+WILD = {name: json_values for name in SANE | SANE_COMPLETION | SANE_RESPONSES} | {"frobnicate": json_values}
+# Each endpoint: its sane fields, and the field that carries its input.
+ENDPOINTS = {
+    "/v1/chat/completions": (SANE, "messages"),
+    "/v1/completions": ({name: value for name, value in (SANE | SANE_COMPLETION).items() if name not in CHAT_ONLY},
+                        "prompt"),
+    "/v1/responses": (SANE_RESPONSES, "input"),
+}
 
 
 @st.composite
 def http_requests(draw) -> tuple[str, bytes]:
     wild = draw(st.sets(st.sampled_from(sorted(WILD)), max_size=2) | st.just(set()))
-    chat = draw(st.booleans())
-    sane = SANE if chat else {name: value for name, value in (SANE | SANE_COMPLETION).items() if name not in CHAT_ONLY}
+    path = draw(st.sampled_from(sorted(ENDPOINTS)))
+    sane, field = ENDPOINTS[path]
     body = {name: draw((WILD if name in wild else sane)[name]) for name in sane | WILD
             if name in wild or (name in sane and draw(st.booleans()))}
-    field = "messages" if chat else "prompt"
     body[field] = draw((WILD_INPUT if draw(st.integers(0, 3)) == 0 else SANE_INPUT)[field])
     wire = json.dumps(body, ensure_ascii=draw(st.booleans())).encode()
     mutation = draw(st.sampled_from(["none"] * 6 + ["truncate", "bad-utf8", "not-json", "huge"]))
@@ -117,7 +151,7 @@ def http_requests(draw) -> tuple[str, bytes]:
         wire = draw(st.binary(max_size=64))
     elif mutation == "huge":
         wire = b'{"messages": [{"role": "user", "content": "' + b"x" * (MAX_BODY + 1) + b'"}]}'
-    return ("/v1/chat/completions" if chat else "/v1/completions"), wire
+    return path, wire
 
 
 @pytest.mark.parametrize("examples", [60, pytest.param(10_000, marks=pytest.mark.slow)])
@@ -136,10 +170,7 @@ def test_generated_http_bodies_end_cleanly_and_leave_the_server_sound(target, ex
             seen[response.status_code] = seen.get(response.status_code, 0) + 1
             assert response.status_code in CLEAR_HTTP, f"{response.status_code} {response.text:.500} for {wire!r:.1000}"
             if response.status_code == 200:
-                if response.headers["content-type"].startswith("text/event-stream"):
-                    assert response.text.rstrip().endswith("data: [DONE]")
-                else:
-                    assert response.json()["choices"]
+                _assert_whole(path, response)
             else:
                 assert set(response.json()["error"]) == {"message", "type", "param", "code"}
             assert target.process.poll() is None, "the target died"
@@ -149,6 +180,19 @@ def test_generated_http_bodies_end_cleanly_and_leave_the_server_sound(target, ex
         assert again == reference, "a fuzzed request changed a later greedy output"
     _assert_idle(target)
     assert seen.get(200, 0) > 0 and seen.get(400, 0) > 0, seen
+
+
+def _assert_whole(path: str, response: httpx.Response) -> None:
+    """A body with its choices or output; a stream that ended as its protocol ends one."""
+    streamed = response.headers["content-type"].startswith("text/event-stream")
+    if path != "/v1/responses":
+        assert response.text.rstrip().endswith("data: [DONE]") if streamed else response.json()["choices"]
+        return
+    if streamed:
+        last = json.loads(response.text.rstrip().rsplit("data: ", 1)[1])
+        assert last["type"] in ("response.completed", "response.incomplete"), last
+    else:
+        assert response.json()["status"] in ("completed", "incomplete")
 
 
 def _assert_idle(target: ServiceProcess) -> None:
