@@ -1,5 +1,5 @@
 """`make demo`: the drafter and the target on loopback with the embedded model, one streamed chat
-over gRPC, then one chat completion over the target's OpenAI-compatible HTTP API.
+over gRPC, then one chat completion and one function call over the target's OpenAI-compatible HTTP API.
 
 Each service gets one core (--threads 1), as docs/design.md (CPU threads) advises on a small box.
 """
@@ -38,8 +38,9 @@ def main() -> None:
     draft_model = args.draft_model if "model" in args.drafter else args.model  # lookup drafters: its tokenizer
     draft = ServiceProcess("draft_service", ["--drafter", args.drafter, "--model", draft_model, "--threads", "1"],
                            log_path=logs / "draft.log")
-    target = ServiceProcess("target_service", ["--model", args.model, "--threads", "1", "--drafter", draft.address],
-                            log_path=logs / "target.log", http_port=free_port())
+    tools = ["--chat-template", "smollm2_tool_use", "--tool-call-parser", "hermes"] if args.model == DEFAULT_MODEL else []
+    target = ServiceProcess("target_service", ["--model", args.model, "--threads", "1", "--drafter", draft.address,
+                                               *tools], log_path=logs / "target.log", http_port=free_port())
     print(f"starting the draft service ({args.drafter}: {draft_model}) and the target service; logs in {logs}")
     try:
         draft.start()
@@ -53,6 +54,8 @@ def main() -> None:
                                         "--max-tokens", str(args.max_tokens)])
         asyncio.run(run_generate(cli_args))
         openai_chat(target.http_url, args.model)
+        if tools:
+            openai_tool_call(target.http_url, args.model)
     finally:
         codes = (target.terminate(), draft.terminate())
         print(f"stopped both services (exit codes {codes[0]}, {codes[1]})")
@@ -66,12 +69,33 @@ def openai_chat(base_url: str, model: str) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": OPENAI_QUESTION}], "max_tokens": 16,
             "temperature": 0}
     print(f"\n$ curl {base_url}/chat/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'")
-    request = urllib.request.Request(f"{base_url}/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        reply = json.load(response)
+    reply = _post(f"{base_url}/chat/completions", body)
     print(f"> {OPENAI_QUESTION}\n{reply['choices'][0]['message']['content']}  ({reply['usage']['completion_tokens']} "
           f"tokens, finish {reply['choices'][0]['finish_reason']})")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+TOOL_QUESTION = "What is the weather in Paris?"
+
+
+def openai_tool_call(base_url: str, model: str) -> None:
+    """A function tool the answer must call: its arguments follow the tool's schema."""
+    body = {"model": model, "messages": [{"role": "user", "content": TOOL_QUESTION}], "tools": [WEATHER],
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 64, "temperature": 0}
+    reply = _post(f"{base_url}/chat/completions", body)
+    calls = reply["choices"][0]["message"].get("tool_calls") or []
+    shown = ", ".join(f"{c['function']['name']}({c['function']['arguments']})" for c in calls) or "no call"
+    print(f"\n> {TOOL_QUESTION}  (tools: get_weather, tool_choice: required)\n{shown}  "
+          f"(finish {reply['choices'][0]['finish_reason']})")
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
 
 
 if __name__ == "__main__":

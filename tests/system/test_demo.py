@@ -27,4 +27,5 @@ def test_the_demo_streams_a_chat_with_the_default_drafter_and_stops_cleanly():
     assert int(summary.group(2)) > 0 and float(summary.group(3)) > 1, "no draft was accepted"
     assert re.search(r"\$ curl http://127\.0\.0\.1:\d+/v1/chat/completions", done.stdout)
     assert re.search(r"\(\d+ tokens, finish (stop|length)\)", done.stdout), done.stdout
+    assert re.search(r'get_weather\(\{"city": ?"[^"]+"\}\)  \(finish tool_calls\)', done.stdout), done.stdout
     assert "stopped both services (exit codes 0, 0)" in done.stdout
