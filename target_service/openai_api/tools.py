@@ -100,12 +100,16 @@ def _check_tools(tools: list[ToolDefinition]) -> None:
         if name in seen:
             raise ProtocolError(f"tools[{index}].function.name", f"{name!r} is given twice")
         seen.add(name)
-        try:
-            jsonschema.validators.validator_for(tool.function.parameters or {}).check_schema(
-                tool.function.parameters or {})
-        except jsonschema.SchemaError as err:
-            raise ProtocolError(f"tools[{index}].function.parameters",
-                                f"is not a valid JSON schema: {err.message}") from None
+        _check_schema(tool.function.parameters or {}, f"tools[{index}].function.parameters")
+
+
+def _check_schema(schema: dict[str, Any], param: str) -> None:
+    if not isinstance(schema.get("$schema", ""), str):
+        raise ProtocolError(f"{param}.$schema", "must be the URI of a JSON schema dialect")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as err:
+        raise ProtocolError(param, f"is not a valid JSON schema: {err.message}") from None
 
 
 def template_tools(tools: list[ToolDefinition]) -> list[generation_pb2.Tool]:

@@ -195,6 +195,9 @@ def test_logprobs_come_with_the_text_when_included(client):
 @pytest.mark.parametrize("body, status, param", [
     ({"input": []}, 400, "input"),
     ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input[0].type"),
+    ({"input": [{"type": [], "role": "user", "content": "hi"}]}, 400, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "", "output": "18"}]}, 400, "input[0].call_id"),
+    ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
     ({"input": [{"type": "function_call_output", "output": "18"}]}, 400, "input[0].call_id"),
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input[0].content"),
@@ -216,6 +219,13 @@ def test_bad_bodies_get_the_status_naming_the_field_and_harm_nothing(front_doors
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
     assert _create(client, input="Hi.", max_output_tokens=2).output_text
+
+
+def test_what_a_response_echoes_may_be_sent_back(client):
+    """A client that sends a response's own fields back (reasoning, top_logprobs 0) is served."""
+    echoed = _create(client, input="Hi.", max_output_tokens=2, tools=[WEATHER], tool_choice="none", top_logprobs=0,
+                     reasoning={"effort": None, "summary": None}, metadata={"k": "v"})
+    assert echoed.output_text and echoed.metadata == {"k": "v"}
 
 
 def test_unknown_ids_get_404_on_read_and_delete(front_doors):

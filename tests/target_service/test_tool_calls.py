@@ -142,6 +142,8 @@ def test_the_tools_and_the_history_of_calls_reach_the_chat_template(client, smol
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
       "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$schema": []}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters.$schema"),
     ({"tools": [{"type": "function", "function": {"name": "two words"}}], "tool_choice": "required"},
      "tools[0].function.name"),
     ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools[1].function.name"),

@@ -10,9 +10,11 @@ this one (as OpenAI's API does).
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StringConstraints
+from typing_extensions import Annotated
 
 from tandem_kernels.logprobs import MAX_LOGPROBS
 from target_service.openai_api import protocol
@@ -43,9 +45,12 @@ class MessageItem(StrictBody):
     status: str | None = None
 
 
+CallId = Annotated[str, StringConstraints(min_length=1)]
+
+
 class FunctionCallItem(StrictBody):
     type: Literal["function_call"]
-    call_id: str
+    call_id: CallId
     name: str
     arguments: str  # JSON text
     id: str | None = None
@@ -54,7 +59,7 @@ class FunctionCallItem(StrictBody):
 
 class FunctionCallOutputItem(StrictBody):
     type: Literal["function_call_output"]
-    call_id: str
+    call_id: CallId
     output: str | list[ContentPart]
     id: str | None = None
     status: str | None = None
@@ -110,7 +115,9 @@ class ResponsesRequest(StrictBody):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
-    metadata: dict[str, str] | None = None
+    # OpenAI's bounds: 16 pairs, keys to 64 characters, values to 512
+    metadata: dict[Annotated[str, StringConstraints(max_length=64)],
+                   Annotated[str, StringConstraints(max_length=512)]] | None = Field(default=None, max_length=16)
     user: str | None = None  # these three change no output
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -133,11 +140,11 @@ class ResponsesRequest(StrictBody):
 
     @property
     def logprobs(self) -> bool:
-        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
+        return bool(self.top_logprobs) or LOGPROBS_INCLUDE in (self.include or ())
 
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-             "seed", "request_id", "speculate", "num_speculative_tokens", "drafter_invariant", "top_logprobs")
+             "seed", "speculate", "num_speculative_tokens", "drafter_invariant", "top_logprobs")
 
 
 def check(body: ResponsesRequest) -> None:
@@ -164,13 +171,11 @@ def input_items(body: ResponsesRequest) -> list[Item]:
 
 
 def _parse_item(item: Any, where: str) -> MessageItem | FunctionCallItem | FunctionCallOutputItem:
-    kind = item.get("type", "message") if isinstance(item, dict) else None
-    model = _ITEMS.get(kind)
+    kind = item.get("type", "message")
+    model = _ITEMS.get(kind) if isinstance(kind, str) else None
     if model is None:
-        if kind is None:
-            raise ProtocolError(where, "must be an item object, with a type")
-        raise ProtocolError(f"{where}.type", f"{kind!r} items are not supported; give {', '.join(_ITEMS)} items",
-                            code="unsupported_parameter")
+        raise ProtocolError(f"{where}.type", f"{json.dumps(kind)} items are not supported; give "
+                                             f"{', '.join(_ITEMS)} items", code="unsupported_parameter")
     return protocol.parse_value(model, item, where)
 
 
@@ -186,7 +191,7 @@ def chat_request(body: ResponsesRequest, history: list[Item], items: list[Item])
                   tool_choice=_chat_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls,
                   response_format=_response_format(body.text))
     if body.logprobs and body.tools and body.tool_choice != "none":
-        raise ProtocolError("top_logprobs", "logprobs are served for text answers only; leave them unset when "
+        raise ProtocolError("top_logprobs" if body.top_logprobs else "include", "logprobs are served for text answers only; leave them unset when "
                                             "tools may be called, or set tool_choice none")
     return protocol.parse_value(ChatCompletionRequest, {key: value for key, value in fields.items() if value is not None},
                                 "")
@@ -211,7 +216,8 @@ def messages_of(items: list[MessageItem | FunctionCallItem | FunctionCallOutputI
 
 
 def _text(content: str | list[ContentPart]) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+    """Parts joined by newlines, as chat completions join text parts."""
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
 def _chat_tool(tool: Any, where: str) -> dict[str, Any]:

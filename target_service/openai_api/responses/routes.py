@@ -107,8 +107,8 @@ class ResponsesApi:
                         return sse
                     await _send(sse, _feed(stream, piece, output))
                 events = stream.finish(seq)
-                self._keep(stream.meta, conversation, events[-1]["response"])
                 await _send(sse, events)
+                self._keep(stream.meta, conversation, events[-1]["response"])  # once the client has it all
             except (ConnectionResetError, TimeoutError):
                 pass
             except Exception:
