@@ -243,3 +243,23 @@ def test_the_store_forgets_the_least_recently_used_past_its_capacity():
     assert (store.get("b"), len(store)) == (None, 2)
     assert store.get("a") is not None and store.get("c") is not None
     assert store.delete("a") and not store.delete("a")
+
+
+def test_a_stored_conversation_keeps_the_text_alone():
+    """What never reaches the prompt (ids, statuses, annotations, logprobs) is not kept for later turns."""
+    from target_service.openai_api.responses import protocol
+
+    output = [{"id": "msg_1", "type": "message", "status": "completed", "role": "assistant", "content": [
+        {"type": "output_text", "text": "It is", "annotations": [], "logprobs": [{"token": "It", "logprob": -0.1}]},
+        {"type": "output_text", "text": "sunny.", "annotations": [], "logprobs": []}]},
+        {"id": "fc_1", "type": "function_call", "status": "completed", "call_id": "call_1", "name": "f",
+         "arguments": "{}"}]
+    inputs = protocol.input_items(protocol.ResponsesRequest(input="Weather?"))
+    kept = protocol.kept(inputs, output)
+    assert [item.model_dump(exclude_none=True) for item in kept] == [
+        {"type": "message", "role": "user", "content": "Weather?"},
+        {"type": "message", "role": "assistant", "content": "It is\nsunny."},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}]
+    messages = protocol.messages_of(kept)
+    assert [(m.role, m.content) for m in messages] == [("user", "Weather?"), ("assistant", "It is\nsunny.")]
+    assert messages[1].tool_calls[0].id == "call_1", "the call joins the answer before it"

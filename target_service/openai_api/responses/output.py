@@ -81,10 +81,10 @@ class ResponseStream:
 
     meta: ResponseMeta
     choice: ToolChoice | None  # the request's tools may be called
-    output: list[Item] = field(default_factory=list)
-    _open: _Open | None = None
-    _calls: CallStream | None = None
-    _number: int = 0
+    output: list[Item] = field(default_factory=list, init=False)
+    _open: _Open | None = field(default=None, init=False)  # the item being written
+    _calls: CallStream | None = field(default=None, init=False)
+    _number: int = field(default=0, init=False)  # the next event's sequence_number
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -155,22 +155,21 @@ class ResponseStream:
         if not delta:
             return []
         self._open.item["arguments"] += delta
-        where = self._where()
-        del where["content_index"]
-        return [self._event("response.function_call_arguments.delta", **where, delta=delta)]
+        return [self._event("response.function_call_arguments.delta", **self._where(content=False), delta=delta)]
 
     def _close(self, status: str) -> list[Event]:
         if self._open is None:
             return []
-        item, where = self._open.item, self._where()
+        item = self._open.item
+        is_message = item["type"] == "message"
+        where = self._where(content=is_message)
         events = []
-        if item["type"] == "message":
+        if is_message:
             part = _part(self._open.text, self._open.logprobs)
             events += [self._event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
                        self._event("response.content_part.done", **where, part=part)]
             item["content"] = [part]
         else:
-            del where["content_index"]
             events.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
                                       arguments=item["arguments"]))
         item["status"] = status
@@ -178,8 +177,10 @@ class ResponseStream:
         self._open = None
         return events
 
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self._open.item["id"], "output_index": self._open.index, "content_index": 0}
+    def _where(self, content: bool = True) -> dict[str, Any]:
+        """Where an event's item is; `content`: in its one content part (a message's)."""
+        where = {"item_id": self._open.item["id"], "output_index": self._open.index}
+        return {**where, "content_index": 0} if content else where
 
 
 def _part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:

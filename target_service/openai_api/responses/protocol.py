@@ -66,6 +66,7 @@ class FunctionCallOutputItem(StrictBody):
 
 
 _ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+ParsedItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 
 
 class FunctionTool(StrictBody):
@@ -161,16 +162,28 @@ def check(body: ResponsesRequest) -> None:
                                 code="unsupported_parameter")
 
 
-def input_items(body: ResponsesRequest) -> list[Item]:
+def input_items(body: ResponsesRequest) -> list[ParsedItem]:
     """The request's input as items, each checked: a string is one user message."""
     if isinstance(body.input, str):
-        return [{"type": "message", "role": "user", "content": body.input}]
-    for index, item in enumerate(body.input):
-        _parse_item(item, f"input[{index}]")
-    return body.input
+        return [MessageItem(role="user", content=body.input)]
+    return [_parse_item(item, f"input[{index}]") for index, item in enumerate(body.input)]
 
 
-def _parse_item(item: Any, where: str) -> MessageItem | FunctionCallItem | FunctionCallOutputItem:
+def kept(inputs: list[ParsedItem], output: list[Item]) -> list[ParsedItem]:
+    """A response's input and output items as a later response's history takes them: their text alone."""
+    return [_compact(item) for item in (*inputs, *(_parse_item(item, "output") for item in output))]
+
+
+def _compact(item: ParsedItem) -> ParsedItem:
+    """The item without what never reaches the prompt: ids, statuses, annotations, logprobs."""
+    if isinstance(item, MessageItem):
+        return MessageItem(role=item.role, content=_text(item.content))
+    if isinstance(item, FunctionCallOutputItem):
+        return FunctionCallOutputItem(type=item.type, call_id=item.call_id, output=_text(item.output))
+    return FunctionCallItem(type=item.type, call_id=item.call_id, name=item.name, arguments=item.arguments)
+
+
+def _parse_item(item: Item, where: str) -> ParsedItem:
     kind = item.get("type", "message")
     model = _ITEMS.get(kind) if isinstance(kind, str) else None
     if model is None:
@@ -179,12 +192,12 @@ def _parse_item(item: Any, where: str) -> MessageItem | FunctionCallItem | Funct
     return protocol.parse_value(model, item, where)
 
 
-def chat_request(body: ResponsesRequest, history: list[Item], items: list[Item]) -> ChatCompletionRequest:
+def chat_request(body: ResponsesRequest, history: list[ParsedItem], items: list[ParsedItem]) -> ChatCompletionRequest:
     """The chat completion that answers: instructions, the history of the response continued, the input."""
     if not history and not items:
         raise ProtocolError("input", "is empty: give a string, or at least one item")
     messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions is not None else []
-    messages += messages_of([_parse_item(item, "input") for item in history + items])
+    messages += messages_of(history + items)
     fields: dict[str, Any] = {name: getattr(body, name) for name in _SAMPLING if getattr(body, name) is not None}
     fields.update(messages=messages, max_completion_tokens=body.max_output_tokens, logprobs=body.logprobs or None,
                   tools=[_chat_tool(tool, f"tools[{index}]") for index, tool in enumerate(body.tools or ())] or None,
@@ -197,7 +210,7 @@ def chat_request(body: ResponsesRequest, history: list[Item], items: list[Item])
                                 "")
 
 
-def messages_of(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem]) -> list[ChatMessage]:
+def messages_of(items: list[ParsedItem]) -> list[ChatMessage]:
     """Items as chat messages: consecutive calls join the assistant message before them."""
     messages: list[ChatMessage] = []
     for item in items:

@@ -20,7 +20,7 @@ from target_service.openai_api.pieces import Piece, pieces
 from target_service.openai_api.protocol import ProtocolError
 from target_service.openai_api.responses import protocol
 from target_service.openai_api.responses.output import Event, ResponseMeta, ResponseStream
-from target_service.openai_api.responses.protocol import RESPONSES_FIELDS, Item, ResponsesRequest
+from target_service.openai_api.responses.protocol import RESPONSES_FIELDS, ParsedItem, ResponsesRequest
 from target_service.openai_api.responses.store import ResponseStore, StoredResponse
 from target_service.sequence import FinishReason, Output, Sequence
 from target_service.serving import SERVER_ABORTED
@@ -57,19 +57,19 @@ class ResponsesApi:
                 stream = ResponseStream(meta, choice)
                 piece = pieces(Logprobs.chat, seq, self.server.token_text)
                 if body.stream:
-                    return await self._stream(request, seq, stream, piece, history + items)
+                    return await self._stream(request, seq, stream, piece, (history, items))
                 async for output in self.server.serving.outputs(samples):
                     if output.finish is FinishReason.ABORT:
                         raise ApiError(503, SERVER_ABORTED)
                     _feed(stream, piece, output)
                 response = stream.finish(seq)[-1]["response"]
-                self._keep(meta, history + items, response)
+                self._keep(meta, history, items, response)
                 return web.json_response(response)
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             raise ApiError.of_request_error(err, RESPONSES_FIELDS) from None
 
     def _translate(self, body: ResponsesRequest, request_id: str) -> tuple[
-            list[Item], list[Item], tools.ToolChoice | None, generation_pb2.GenerateRequest]:
+            list[ParsedItem], list[ParsedItem], tools.ToolChoice | None, generation_pb2.GenerateRequest]:
         """The history continued, the input, what the answer may call, and the engine's request."""
         protocol.check(body)
         items = protocol.input_items(body)
@@ -78,7 +78,7 @@ class ResponsesApi:
         choice = tools.tool_choice(chat, self.server.tool_parser)
         return history, items, choice, tools.chat_request(chat, request_id, choice)
 
-    def _history(self, previous_id: str | None) -> list[Item]:
+    def _history(self, previous_id: str | None) -> list[ParsedItem]:
         if previous_id is None:
             return []
         stored = self.store.get(previous_id)
@@ -90,12 +90,14 @@ class ResponsesApi:
                            "not_found")
         return list(stored.items)
 
-    def _keep(self, meta: ResponseMeta, conversation: list[Item], response: dict[str, Any]) -> None:
+    def _keep(self, meta: ResponseMeta, history: list[ParsedItem], items: list[ParsedItem],
+              response: dict[str, Any]) -> None:
         if meta.stored:
-            self.store.put(meta.id, StoredResponse(response, (*conversation, *response["output"])))
+            self.store.put(meta.id, StoredResponse(response, (*history, *protocol.kept(items, response["output"]))))
 
     async def _stream(self, request: web.Request, seq: Sequence, stream: ResponseStream,
-                      piece: Callable[[Output], Piece], conversation: list[Item]) -> web.StreamResponse:
+                      piece: Callable[[Output], Piece],
+                      conversation: tuple[list[ParsedItem], list[ParsedItem]]) -> web.StreamResponse:
         """OpenAI's events, each with its type as the event's name; no [DONE] ends them (OpenAI sends none).
         A failure once the stream has started is a `response.failed` event."""
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
@@ -108,7 +110,7 @@ class ResponsesApi:
                     await _send(sse, _feed(stream, piece, output))
                 events = stream.finish(seq)
                 await _send(sse, events)
-                self._keep(stream.meta, conversation, events[-1]["response"])  # once the client has it all
+                self._keep(stream.meta, *conversation, events[-1]["response"])  # once the client has it all
             except (ConnectionResetError, TimeoutError):
                 pass
             except Exception:

@@ -5,13 +5,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from target_service.openai_api.responses.protocol import Item
+from target_service.openai_api.responses.protocol import ParsedItem
 
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     body: dict[str, Any]  # the response object, as it was sent
-    items: tuple[Item, ...]  # the conversation through it: the history it continued, its input, its output
+    items: tuple[ParsedItem, ...]  # the conversation through it (text alone): the history it continued, its input, its output
 
 
 class ResponseStore:
