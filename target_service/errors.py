@@ -19,14 +19,19 @@ class RequestError(Exception):
         none heads gets `prefix`."""
         if not self.field:
             return self
-        heads = [n for n in names if self.field == n or self.field.startswith((n + ".", n + "["))]
-        if heads:
-            head = max(heads, key=len)
-            field = names[head] + self.field[len(head):]
-        else:
-            field = prefix + self.field
+        field = renamed_field(self.field, names, prefix)
         problem = self.message.removeprefix(f"{self.field}: ")
         return RequestError(self.code, f"{field}: {problem}", field)
+
+
+def renamed_field(field: str, names: dict[str, str], prefix: str = "") -> str:
+    """`field` with the longest of `names` that heads it (up to a `.` or `[`) replaced by its value;
+    a field that none heads gets `prefix`."""
+    heads = [n for n in names if field == n or field.startswith((n + ".", n + "["))]
+    if not heads:
+        return prefix + field
+    head = max(heads, key=len)
+    return names[head] + field[len(head):]
 
 
 def invalid(field: str, problem: str) -> RequestError:

@@ -201,7 +201,8 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "structural_tag": (), "whitespace_pattern": (), "disable_additional_properties": (False,),
     "disable_fallback": (False,),
     # the Responses API's (responses/protocol.py)
-    "reasoning": ({}, {"effort": None, "summary": None}), "background": (False,), "max_tool_calls": (), "verbosity": ("medium",),
+    "reasoning": ({}, {"effort": None, "summary": None}), "background": (False,), "max_tool_calls": (),
+    "verbosity": ("medium",),
     "include_obfuscation": (False,), "truncation": ("disabled",),
 }
 

@@ -206,7 +206,8 @@ class OpenAIServer:
                 if not body.stream:
                     return web.json_response(await self._whole(samples, meta, endpoint, per_sample, calling))
                 chunk_meta = Completion(meta.id, endpoint.chunk_object, created, meta.model)
-                chunkers = [endpoint.chunker(chunk_meta, seq, piece, **calling) for seq, piece in zip(samples, per_sample)]
+                chunkers = [endpoint.chunker(chunk_meta, seq, piece, **calling)
+                            for seq, piece in zip(samples, per_sample)]
                 return await self._stream(request, samples, body.stream_options, chunk_meta, chunkers)
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             raise ApiError.of_request_error(err, renamed) from None

@@ -17,6 +17,7 @@ from pydantic import Field, StringConstraints
 from typing_extensions import Annotated
 
 from tandem_kernels.logprobs import MAX_LOGPROBS
+from target_service.errors import renamed_field
 from target_service.openai_api import protocol
 from target_service.openai_api.protocol import (INT64_MAX, INT64_MIN, UINT32_MAX, ChatCompletionRequest, ChatMessage,
                                                 ProtocolError, StrictBody)
@@ -204,10 +205,10 @@ def chat_request(body: ResponsesRequest, history: list[ParsedItem], items: list[
                   tool_choice=_chat_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls,
                   response_format=_response_format(body.text))
     if body.logprobs and body.tools and body.tool_choice != "none":
-        raise ProtocolError("top_logprobs" if body.top_logprobs else "include", "logprobs are served for text answers only; leave them unset when "
-                                            "tools may be called, or set tool_choice none")
-    return protocol.parse_value(ChatCompletionRequest, {key: value for key, value in fields.items() if value is not None},
-                                "")
+        raise ProtocolError("top_logprobs" if body.top_logprobs else "include", "logprobs are served for text "
+                            "answers only; leave them unset when tools may be called, or set tool_choice none")
+    given = {key: value for key, value in fields.items() if value is not None}
+    return protocol.parse_value(ChatCompletionRequest, given, "")
 
 
 def messages_of(items: list[ParsedItem]) -> list[ChatMessage]:
@@ -233,10 +234,11 @@ def _text(content: str | list[ContentPart]) -> str:
     return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
-def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
-    kind = tool.get("type") if isinstance(tool, dict) else None
+def _chat_tool(tool: Item, where: str) -> dict[str, Any]:
+    kind = tool.get("type")
     if kind != "function":
-        raise ProtocolError(f"{where}.type", f"{kind!r} tools are not supported; this server calls function tools",
+        raise ProtocolError(f"{where}.type", f"{json.dumps(kind)} tools are not supported; this server calls "
+                                             "function tools",
                             code="unsupported_parameter")
     function = protocol.parse_value(FunctionTool, tool, where).model_dump(exclude={"type"}, exclude_none=True)
     return {"type": "function", "function": function}
@@ -263,11 +265,7 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
 
 def renamed_error(err: ProtocolError) -> ProtocolError:
     """A chat request's error named as the responses request names the field."""
-    param = err.param or ""
-    for chat, ours in RESPONSES_FIELDS.items():
-        if param == chat or param.startswith((chat + ".", chat + "[")):
-            param = ours + param[len(chat):]
-            break
+    param = renamed_field(err.param or "", RESPONSES_FIELDS)
     if param.startswith("tools[") and ".function." in param:
         param = param.replace(".function.", ".", 1)
     if param == err.param:

@@ -11,7 +11,8 @@ from target_service.openai_api.responses.protocol import ParsedItem
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     body: dict[str, Any]  # the response object, as it was sent
-    items: tuple[ParsedItem, ...]  # the conversation through it (text alone): the history it continued, its input, its output
+    # the conversation through it, text alone: the history it continued, its input, its output
+    items: tuple[ParsedItem, ...]
 
 
 class ResponseStore:
