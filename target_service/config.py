@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from target_service.drafter_addresses import DrafterAddresses
-from target_service.openai_api.tool_parsers import TOOL_PARSERS
+from target_service.tool_parsers import TOOL_PARSERS
 from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, PAGE_SIZE
 from tandem.tls import ClientTls, ServerTls, read_token

@@ -24,6 +24,7 @@ from target_service.model_runner import ModelRunner
 from target_service.serving import Serving
 from target_service.speculation import speculation_policy
 from target_service.speculator import Speculator
+from target_service.tool_calls import ToolChoice, call_id, parsed_answer
 from target_service.validation import GENERATE_METHOD, UndecodableRequests
 from target_service.vllm_grpc.servicer import SERVICE_NAME as VLLM_SERVICE
 from target_service.vllm_grpc.servicer import VLLM_GENERATE_METHOD, VllmEngineServicer
@@ -49,8 +50,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             async with self.serving.session(request) as samples:
+                answers = [""] * len(samples)  # each sample's text so far, read for calls at its end
                 async for output in self.serving.outputs(samples):
-                    yield self._response(samples[output.index], output)
+                    seq = samples[output.index]
+                    response = self._response(seq, output)
+                    if seq.options.tool_choice is not None:
+                        answers[output.index] += output.text
+                        if output.finish in (FinishReason.STOP, FinishReason.LENGTH):
+                            _add_calls(response, seq.options.tool_choice, answers[output.index])
+                    yield response
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             await context.abort(err.code, err.message)
 
@@ -90,6 +98,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             draft_model=draft_model or "",
             drafter_connected=draft_model is not None,
         )
+
+
+def _add_calls(response: generation_pb2.GenerateResponse, choice: ToolChoice, answer: str) -> None:
+    """The calls a whole answer made, and its text outside them; none when it made none."""
+    parsed = parsed_answer(choice, answer)
+    if parsed is not None and parsed[1]:
+        content, calls = parsed
+        response.tool_calls.extend(generation_pb2.ToolCall(id=call_id(), name=name, arguments=arguments)
+                                   for name, arguments in calls)
+        response.content = content or ""
 
 
 def _token_logprobs(logprobs: list[TokenLogprob] | None) -> list[generation_pb2.TokenLogprob]:

@@ -6,7 +6,9 @@ grammar compiling, admission and abort live here, once.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -58,6 +60,32 @@ class Serving:
             output = await outbox.get()
             yield output
             running -= output.finish is not None
+
+    @staticmethod
+    async def batch_outputs(groups: list[list[Sequence]]) -> AsyncIterator[tuple[int, Output]]:
+        """The outputs of several requests' samples as they come, each with its sample's place in the
+        groups laid end to end (a batch of prompts: prompt p's sample i is choice p * n + i)."""
+        if len(groups) == 1:
+            async for output in Serving.outputs(groups[0]):
+                yield output.index, output
+            return
+        merged: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
+
+        async def forward(first: int, samples: list[Sequence]) -> None:
+            async for output in Serving.outputs(samples):
+                merged.put_nowait((first + output.index, output))
+
+        firsts = itertools.accumulate((len(samples) for samples in groups[:-1]), initial=0)
+        forwarders = [asyncio.create_task(forward(first, samples)) for first, samples in zip(firsts, groups)]
+        try:
+            running = sum(len(samples) for samples in groups)
+            while running:
+                choice, output = await merged.get()
+                yield choice, output
+                running -= output.finish is not None
+        finally:
+            for task in forwarders:
+                task.cancel()
 
     @property
     def drafter_model(self) -> str | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -14,6 +15,8 @@ from tandem_kernels.sampling import Sampling
 from target_service.config import TargetConfig
 from target_service.errors import RequestError, invalid
 from target_service.sequence import RequestOptions
+from target_service.tool_calls import tool_choice_of
+from target_service.tool_parsers import TOOL_PARSERS
 from tandem.structured import Constraint, ConstraintError
 from tandem.tokenizer import Tokenizer, TokenizerError
 from tandem.v1 import generation_pb2
@@ -249,8 +252,16 @@ def validate_request(
     if request.model and request.model != model_name:
         raise invalid("model", f"{request.model!r} is not served here; this server serves {model_name!r}")
     ids = prompt_ids_of(request, tokenizer, vocab_size)
-    return ids, sampling_options(request.sampling_params, len(ids), config, tokenizer, vocab_size,
-                                 request.WhichOneof("input"))
+    params, choice = request.sampling_params, None
+    if request.WhichOneof("input") == "chat":
+        parser = TOOL_PARSERS[config.tool_call_parser] if config.tool_call_parser else None
+        choice, constraint = tool_choice_of(request.chat, parser, params.HasField("structured_outputs"))
+        if constraint is not None:  # a required or named call: its schema constrains the answer
+            params = generation_pb2.SamplingParams()
+            params.CopyFrom(request.sampling_params)
+            params.structured_outputs.CopyFrom(constraint)
+    options = sampling_options(params, len(ids), config, tokenizer, vocab_size, request.WhichOneof("input"))
+    return ids, replace(options, tool_choice=choice)
 
 
 GENERATE_METHOD = "/tandem.v1.Generation/Generate"

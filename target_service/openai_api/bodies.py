@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem_kernels.logprobs import TokenLogprob
-from target_service.openai_api.tools import ToolChoice, answer_of
+from target_service.openai_api.tools import answer_of
 from target_service.sequence import FinishReason, Sequence
+from target_service.tool_calls import ToolChoice
 
 LOWEST_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM sends this in its place
 
@@ -27,10 +28,12 @@ class Completion:
 
 
 def usage(samples: list[Sequence]) -> dict[str, Any]:
-    """The prompt once (and how much of it the prefix cache held), and every sample's tokens."""
-    prompt, completion = len(samples[0].prompt_ids), sum(seq.num_generated for seq in samples)
+    """Each prompt once (and how much of it the prefix cache held), and every sample's tokens; the
+    samples of one prompt share a group."""
+    firsts = {seq.group: seq for seq in reversed(samples)}.values()
+    prompt, completion = sum(len(seq.prompt_ids) for seq in firsts), sum(seq.num_generated for seq in samples)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": samples[0].cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(seq.cached_tokens for seq in firsts)}}
 
 
 def speculation_metrics(samples: list[Sequence]) -> dict[str, Any] | None:
@@ -131,44 +134,45 @@ Prompt = list[dict[str, Any] | None] | None  # the prompt's logprobs (prompt_log
 
 
 def chat_response(meta: Completion, samples: list[Sequence], texts: list[str], logprobs: list[dict[str, Any] | None],
-                  prompt: Prompt = None, tool_choice: ToolChoice | None = None) -> dict[str, Any]:
-    """A choice per sample; the prompt's logprobs go beside the choices, as vLLM puts them. The calls an
-    answer made (tool_choice) are the message's tool_calls."""
+                  prompts: list[Prompt], tool_choice: ToolChoice | None = None) -> dict[str, Any]:
+    """A choice per sample; the prompt's logprobs (prompts[i]: sample i's, all one prompt's) go beside the
+    choices, as vLLM puts them. The calls an answer made (tool_choice) are the message's tool_calls."""
     choices = []
-    for seq, text, lp in zip(samples, texts, logprobs, strict=True):
+    for index, (seq, text, lp) in enumerate(zip(samples, texts, logprobs, strict=True)):
         content, calls = answer_of(tool_choice, text) if tool_choice is not None else (text, None)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         reason = finish_reason(seq)
         if calls is not None:
             message["tool_calls"] = calls
             reason = tool_choice.finish_reason if seq.finish is FinishReason.STOP else reason
-        choices.append({"index": seq.index, "message": message, "logprobs": lp, "finish_reason": reason,
+        choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason,
                         "stop_reason": seq.stop_reason})
-    return meta.body(choices, usage=usage(samples), metrics=speculation_metrics(samples), prompt_logprobs=prompt)
+    return meta.body(choices, usage=usage(samples), metrics=speculation_metrics(samples),
+                     prompt_logprobs=prompts[0])
 
 
 def text_response(meta: Completion, samples: list[Sequence], texts: list[str], logprobs: list[dict[str, Any] | None],
-                  prompt: Prompt = None) -> dict[str, Any]:
-    """A choice per sample, each with the prompt's logprobs, as vLLM puts them."""
-    choices = [{"index": seq.index, "text": text, "logprobs": lp, "finish_reason": finish_reason(seq),
+                  prompts: list[Prompt]) -> dict[str, Any]:
+    """A choice per sample, each with its prompt's logprobs, as vLLM puts them."""
+    choices = [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason(seq),
                 "stop_reason": seq.stop_reason, "prompt_logprobs": prompt}
-               for seq, text, lp in zip(samples, texts, logprobs, strict=True)]
+               for index, (seq, text, lp, prompt) in enumerate(zip(samples, texts, logprobs, prompts, strict=True))]
     return meta.body(choices, usage=usage(samples), metrics=speculation_metrics(samples))
 
 
-def chat_chunk(meta: Completion, seq: Sequence, delta: dict[str, Any], finished: bool = False,
+def chat_chunk(meta: Completion, index: int, seq: Sequence, delta: dict[str, Any], finished: bool = False,
                logprobs: dict[str, Any] | None = None, reason: str | None = None) -> dict[str, Any]:
-    """A delta of seq's choice; `finished`: the choice's last chunk, which carries why it finished
-    (`reason`, or the sequence's own)."""
-    choice = {"index": seq.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+    """A delta of seq's choice (`index`); `finished`: the choice's last chunk, which carries why it
+    finished (`reason`, or the sequence's own)."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
     if finished:
         choice.update(finish_reason=reason or finish_reason(seq), stop_reason=seq.stop_reason)
     return meta.body([choice])
 
 
-def text_chunk(meta: Completion, seq: Sequence, text: str, finished: bool = False,
+def text_chunk(meta: Completion, index: int, seq: Sequence, text: str, finished: bool = False,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    choice = {"index": seq.index, "text": text, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
     if finished:
         choice.update(finish_reason=finish_reason(seq), stop_reason=seq.stop_reason)
     return meta.body([choice])

@@ -428,7 +428,9 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> generation_pb2
     return request
 
 
-def completion_request(body: CompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
+def completion_requests(body: CompletionRequest, request_id: str) -> list[generation_pb2.GenerateRequest]:
+    """One engine request per prompt of the body, as vLLM serves a batch: prompt p's request is the one
+    that prompt alone would make, its id suffixed -p when the batch has more than one."""
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     if max_tokens == 0 and not body.echo:
         raise ProtocolError("max_tokens", "must be at least 1; 0 is only allowed with echo: true, which returns "
@@ -439,26 +441,24 @@ def completion_request(body: CompletionRequest, request_id: str) -> generation_p
         params.logprobs = body.logprobs
         if body.echo and not params.HasField("prompt_logprobs"):
             params.prompt_logprobs = body.logprobs  # an echoed prompt shows its tokens' logprobs too
-    request = generation_pb2.GenerateRequest(request_id=request_id, sampling_params=params)
-    prompt = _single_prompt(body.prompt)
-    if isinstance(prompt, str):
-        request.prompt = prompt
-    else:
-        request.prompt_token_ids.ids.extend(_token_ids("prompt", prompt))
-    return request
+    prompts = completion_prompts(body)
+    requests = []
+    for p, prompt in enumerate(prompts):
+        request = generation_pb2.GenerateRequest(request_id=request_id if len(prompts) == 1 else f"{request_id}-{p}",
+                                                 sampling_params=params)
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.prompt_token_ids.ids.extend(_token_ids(f"prompt[{p}]" if len(prompts) > 1 else "prompt", prompt))
+        requests.append(request)
+    return requests
 
 
-def prompt_text(body: CompletionRequest) -> str | None:
-    """The prompt of a completion when it came as text; None when it came as token ids."""
-    prompt = _single_prompt(body.prompt)
-    return prompt if isinstance(prompt, str) else None
-
-
-def _single_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
-    """The one prompt of a body, out of a batch of one."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ProtocolError("prompt", f"a batch of {len(prompt)} prompts is not supported yet; send one "
-                                          "prompt per request", code="unsupported_parameter")
-        return prompt[0]
-    return prompt
+def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a body: a text or a list of token ids is one; a list of them is a batch."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and not prompt:
+        raise ProtocolError("prompt", "is empty; give a text, a list of token ids, or a list of either (a batch)")
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+        return prompt
+    return [prompt]

@@ -31,7 +31,7 @@ from target_service.openai_api.errors import ApiError
 from target_service.openai_api.pieces import Echo, LogprobsOf, Piece, pieces
 from target_service.openai_api.protocol import ProtocolError
 from target_service.openai_api.responses.routes import ResponsesApi
-from target_service.openai_api.tool_parsers import TOOL_PARSERS
+from target_service.tool_calls import ToolChoice
 from target_service.sequence import FinishReason, Output, Sequence
 from target_service.serving import SERVER_ABORTED, Serving
 from target_service.validation import prompt_ids_of
@@ -50,15 +50,15 @@ class Endpoint:
     id_prefix: str
     object: str
     chunk_object: str
-    # (meta, samples, texts, logprobs, prompt logprobs, **calling) -> the body not streamed
+    # (meta, samples, texts, logprobs, each choice's prompt logprobs, **calling) -> the body not streamed
     whole: Callable[..., dict[str, Any]]
-    # (meta, seq, its pieces, **calling) -> the chunks of each of its outputs
+    # (meta, choice index, seq, its pieces, **calling) -> the chunks of each of its outputs
     chunker: Callable[..., Callable[[Output], list[dict[str, Any]]]]
     logprobs: LogprobsOf
 
 
-def _chat_chunks(meta: Completion, seq: Sequence, piece: Callable[[Output], Piece],
-                 tool_choice: tools.ToolChoice | None = None) -> Callable[[Output], list[dict[str, Any]]]:
+def _chat_chunks(meta: Completion, index: int, seq: Sequence, piece: Callable[[Output], Piece],
+                 tool_choice: ToolChoice | None = None) -> Callable[[Output], list[dict[str, Any]]]:
     """The role chunk with the first token (as vLLM: it marks the time to first token), a chunk per
     output (with its tokens' logprobs when asked), and the last chunk with why the choice finished.
     The calls an answer makes (tool_choice) are sent as deltas of tool_calls."""
@@ -69,7 +69,7 @@ def _chat_chunks(meta: Completion, seq: Sequence, piece: Callable[[Output], Piec
         nonlocal role_sent
         out = []
         if output.token_ids and not role_sent:
-            out.append(bodies.chat_chunk(meta, seq, {"role": "assistant", "content": ""}))
+            out.append(bodies.chat_chunk(meta, index, seq, {"role": "assistant", "content": ""}))
             role_sent = True
         text, logprobs = piece(output)
         entries = []
@@ -79,23 +79,23 @@ def _chat_chunks(meta: Completion, seq: Sequence, piece: Callable[[Output], Piec
         if entries:
             delta["tool_calls"] = entries
         if delta or logprobs is not None:
-            out.append(bodies.chat_chunk(meta, seq, delta or {"content": ""}, logprobs=logprobs))
+            out.append(bodies.chat_chunk(meta, index, seq, delta or {"content": ""}, logprobs=logprobs))
         if output.finish is not None:
             called = calls is not None and calls.sent and seq.finish is FinishReason.STOP
-            out.append(bodies.chat_chunk(meta, seq, {}, finished=True,
+            out.append(bodies.chat_chunk(meta, index, seq, {}, finished=True,
                                             reason=tool_choice.finish_reason if called else None))
         return out
 
     return chunks
 
 
-def _text_chunks(meta: Completion, seq: Sequence,
+def _text_chunks(meta: Completion, index: int, seq: Sequence,
                  piece: Callable[[Output], Piece]) -> Callable[[Output], list[dict[str, Any]]]:
     def chunks(output: Output) -> list[dict[str, Any]]:
         text, logprobs = piece(output)
-        out = [bodies.text_chunk(meta, seq, text, logprobs=logprobs)] if text or logprobs else []
+        out = [bodies.text_chunk(meta, index, seq, text, logprobs=logprobs)] if text or logprobs else []
         if output.finish is not None:
-            out.append(bodies.text_chunk(meta, seq, "", finished=True))
+            out.append(bodies.text_chunk(meta, index, seq, "", finished=True))
         return out
 
     return chunks
@@ -105,6 +105,11 @@ CHAT = Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", bodies.c
                 bodies.Logprobs.chat)
 TEXT = Endpoint("cmpl", "text_completion", "text_completion", bodies.text_response, _text_chunks,
                 bodies.Logprobs.text)
+
+
+def _one_request(translate: Callable[[Any, str], generation_pb2.GenerateRequest], body: Any,
+                 request_id: str) -> list[generation_pb2.GenerateRequest]:
+    return [translate(body, request_id)]
 
 
 class OpenAIServer:
@@ -127,8 +132,6 @@ class OpenAIServer:
         self._runner: web.AppRunner | None = None
         tokenizer = serving.loaded.tokenizer
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
-        parser = serving.config.tool_call_parser
-        self.tool_parser = TOOL_PARSERS[parser] if parser else None  # tool_choice auto's
 
     async def start(self, host: str, port: int, tls: ServerTls | None) -> None:
         """Serves until stop(). A client that disconnects cancels its handler."""
@@ -175,23 +178,18 @@ class OpenAIServer:
         renamed = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
         if body.response_format is not None:
             renamed["structured_outputs"] = "response_format"
-        try:
-            choice = tools.tool_choice(body, self.tool_parser)
-        except ProtocolError as err:
-            raise ApiError.of_protocol_error(err) from None
-        translate = functools.partial(tools.chat_request, choice=choice)
-        calling = {} if choice is None else {"tool_choice": choice}
-        return await self._generate(request, body, translate, renamed, CHAT, calling)
+        renamed.update(tools.tool_fields(body))
+        return await self._generate(request, body, functools.partial(_one_request, tools.chat_request), renamed, CHAT)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.read_body(request, protocol.CompletionRequest)
-        return await self._generate(request, body, protocol.completion_request, {}, TEXT)
+        return await self._generate(request, body, protocol.completion_requests, {}, TEXT)
 
     async def _generate(self, request: web.Request, body: Any,
-                        translate: Callable[[Any, str], generation_pb2.GenerateRequest], renamed: dict[str, str],
-                        endpoint: Endpoint, calling: dict[str, Any] | None = None) -> web.StreamResponse:
-        """calling: the tool_choice keyword of a chat whose answer may call, for its body and chunks."""
-        calling = calling or {}
+                        translate: Callable[[Any, str], list[generation_pb2.GenerateRequest]],
+                        renamed: dict[str, str], endpoint: Endpoint) -> web.StreamResponse:
+        """translate: the engine requests of a body, one per prompt (a batch of completions: its choices
+        are each prompt's samples in turn)."""
         request_id = self.request_id(request, body, uuid.uuid4().hex)
         try:
             ours = translate(body, request_id)
@@ -200,46 +198,66 @@ class OpenAIServer:
         created = int(time.time())
         meta = Completion(f"{endpoint.id_prefix}-{request_id}", endpoint.object, created, self.serving.loaded.name)
         try:
-            async with self.serving.session(ours) as samples:
-                echo = self._echo(body, samples[0].prompt_ids)
-                per_sample = [pieces(endpoint.logprobs, seq, self.token_text, echo) for seq in samples]
+            async with contextlib.AsyncExitStack() as sessions:
+                groups = [await self._session(sessions, one, p if len(ours) > 1 else None, renamed)
+                          for p, one in enumerate(ours)]
+                samples = [seq for group in groups for seq in group]
+                choice = samples[0].options.tool_choice  # a chat's answer may call
+                calling = {} if choice is None else {"tool_choice": choice}
+                per_sample = [pieces(endpoint.logprobs, seq, self.token_text, echo)
+                              for group, one in zip(groups, ours) for echo in [self._echo(body, one, group)]
+                              for seq in group]
                 if not body.stream:
-                    return web.json_response(await self._whole(samples, meta, endpoint, per_sample, calling))
+                    return web.json_response(await self._whole(groups, meta, endpoint, per_sample, calling))
                 chunk_meta = Completion(meta.id, endpoint.chunk_object, created, meta.model)
-                chunkers = [endpoint.chunker(chunk_meta, seq, piece, **calling)
-                            for seq, piece in zip(samples, per_sample)]
-                return await self._stream(request, samples, body.stream_options, chunk_meta, chunkers)
-        except RequestError as err:  # only the session's start raises it: nothing was sent yet
+                chunkers = [endpoint.chunker(chunk_meta, index, seq, piece, **calling)
+                            for index, (seq, piece) in enumerate(zip(samples, per_sample))]
+                return await self._stream(request, groups, body.stream_options, chunk_meta, chunkers)
+        except RequestError as err:  # only a session's start raises it: nothing was sent yet
             raise ApiError.of_request_error(err, renamed) from None
+
+    async def _session(self, sessions: contextlib.AsyncExitStack, one: generation_pb2.GenerateRequest,
+                       p: int | None, renamed: dict[str, str]) -> list[Sequence]:
+        """The samples of one engine request, held by `sessions`; the refusal of prompt p of a batch
+        names that prompt."""
+        try:
+            return await sessions.enter_async_context(self.serving.session(one))
+        except RequestError as err:
+            if p is None:
+                raise
+            raise ApiError.of_request_error(err, {**renamed, "prompt": f"prompt[{p}]",
+                                                  "prompt_token_ids": f"prompt[{p}]"}) from None
 
     @staticmethod
     def request_id(request: web.Request, body: Any, default: str) -> str:
         """The engine's id of a request: the X-Request-Id header's, the body's request_id, or `default`."""
         return request.headers.get(REQUEST_ID_HEADER) or body.request_id or default
 
-    def _echo(self, body: Any, prompt_ids: list[int]) -> Echo | None:
-        """What a text completion with echo starts with; None for any other request."""
+    def _echo(self, body: Any, request: generation_pb2.GenerateRequest, samples: list[Sequence]) -> Echo | None:
+        """What the samples of a text completion's prompt start with under echo; None for any other request."""
         if not isinstance(body, protocol.CompletionRequest) or not body.echo:
             return None
-        text = protocol.prompt_text(body)
-        if text is None:
-            text = self.serving.loaded.tokenizer.decode(prompt_ids)
+        prompt_ids = samples[0].prompt_ids
+        text = request.prompt if request.HasField("prompt") else self.serving.loaded.tokenizer.decode(prompt_ids)
         return Echo(text, prompt_ids, generate=body.max_tokens != 0)
 
-    async def _whole(self, samples: list[Sequence], meta: Completion, endpoint: Endpoint,
+    async def _whole(self, groups: list[list[Sequence]], meta: Completion, endpoint: Endpoint,
                      per_sample: list[Callable[[Output], Piece]], calling: dict[str, Any]) -> dict[str, Any]:
         """The body of a request not streamed: a choice per sample, once every sample finished."""
-        outputs = [output async for output in self.serving.outputs(samples)]
-        if any(output.finish is FinishReason.ABORT for output in outputs):
+        samples = [seq for group in groups for seq in group]
+        outputs = [choice async for choice in self.serving.batch_outputs(groups)]
+        if any(output.finish is FinishReason.ABORT for _, output in outputs):
             raise ApiError(503, SERVER_ABORTED)
         parts: list[list[Piece]] = [[] for _ in samples]
-        for output in outputs:  # in the order they came, as a stream takes them
-            parts[output.index].append(per_sample[output.index](output))
+        for index, output in outputs:  # in the order they came, as a stream takes them
+            parts[index].append(per_sample[index](output))
         texts = ["".join(text for text, _ in mine) for mine in parts]
         logprobs = [bodies.joined([lp for _, lp in mine if lp is not None]) for mine in parts]
-        prompt = next((output.prompt_logprobs for output in outputs if output.prompt_logprobs is not None), None)
-        return endpoint.whole(meta, samples, texts, logprobs,
-                              bodies.prompt_logprobs(self.token_text, samples[0].prompt_ids, prompt), **calling)
+        brought = {samples[index].group: output.prompt_logprobs for index, output in outputs
+                   if output.prompt_logprobs is not None}  # one sample of each prompt brings them
+        prompts = {group[0].group: bodies.prompt_logprobs(self.token_text, group[0].prompt_ids,
+                                                          brought.get(group[0].group)) for group in groups}
+        return endpoint.whole(meta, samples, texts, logprobs, [prompts[seq.group] for seq in samples], **calling)
 
     async def read_body(self, request: web.Request, model: type) -> Any:
         try:
@@ -256,9 +274,10 @@ class OpenAIServer:
                                 f"`{self.serving.loaded.name}`", "model", "model_not_found")
         return body
 
-    async def _stream(self, request: web.Request, samples: list[Sequence], options: protocol.StreamOptions | None,
-                      meta: Completion, chunkers: list[Callable[[Output], list[dict[str, Any]]]]) -> web.StreamResponse:
-        """Server-sent events: the chunks of each output (chunkers[i]: sample i's), the usage chunk if
+    async def _stream(self, request: web.Request, groups: list[list[Sequence]],
+                      options: protocol.StreamOptions | None, meta: Completion,
+                      chunkers: list[Callable[[Output], list[dict[str, Any]]]]) -> web.StreamResponse:
+        """Server-sent events: the chunks of each output (chunkers[i]: choice i's), the usage chunk if
         asked, then [DONE].
 
         Once the stream has started, nothing can change its status: a client that left or stalled
@@ -266,13 +285,14 @@ class OpenAIServer:
         event, as an abort by the server is."""
         include_usage = options is not None and options.include_usage
         continuous = include_usage and options.continuous_usage_stats
+        samples = [seq for group in groups for seq in group]
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
             try:
-                async for output in self.serving.outputs(samples):
+                async for index, output in self.serving.batch_outputs(groups):
                     if output.finish is FinishReason.ABORT:
                         await sse.send(json.dumps(bodies.error_body(SERVER_ABORTED, "server_error")))
                         break
-                    for chunk in chunkers[output.index](output):
+                    for chunk in chunkers[index](output):
                         if continuous:
                             chunk["usage"] = bodies.usage(samples)
                         await sse.send(json.dumps(chunk))

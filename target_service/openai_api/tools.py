@@ -1,115 +1,37 @@
-"""Function tools on chat completions, as vLLM serves them.
-
-The tools go to the chat template (tandem.v1's `ChatMessages.tools`), which shows them to the model.
-`tool_choice` decides what the answer is:
-- `none`: text, as without tools;
-- a named function: that function's arguments, constrained to its parameters' JSON schema;
-- `required`: a JSON array of calls, `[{"name": ..., "parameters": {...}}, ...]`, constrained to a
-  schema that allows only the tools given (one call when `parallel_tool_calls` is false).
-- `auto` (the default with tools): the model writes text or calls in its own format, which the
-  target's --tool-call-parser reads back (tool_parsers.py); without one, `auto` is refused.
-The constraints are the structured output the engine already enforces, with speculation on, so a
-required or named answer always parses (unless max_tokens cuts it short: then it stays text).
-"""
+"""Function tools on chat completions, as vLLM serves them: the body's tools and tool_choice as
+tandem.v1 carries them (what they mean, and the constraint: target_service/tool_calls.py), and the
+calls an answer makes in OpenAI's shape, whole or streamed."""
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
-
 from target_service.openai_api import protocol
-from target_service.openai_api.protocol import ChatCompletionRequest, ProtocolError, ToolDefinition
-from target_service.openai_api.tool_parsers import ParsedCall, ToolParser
-from tandem.v1 import generation_pb2, structured_pb2
+from target_service.openai_api.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
+from target_service.tool_calls import ToolChoice, call_id, parsed_answer
+from tandem.v1 import generation_pb2
 
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 _DECODER = json.JSONDecoder()
 
 
-@dataclass(frozen=True, slots=True)
-class ToolChoice:
-    """A chat whose answer may call: the one function named, any of the tools (`required`), or
-    (`auto`) text or calls as the model writes them, which `parser` reads."""
-
-    function: str | None = None  # the function named
-    parser: ToolParser | None = None  # `auto`'s; neither: `required`
-
-    @property
-    def finish_reason(self) -> str:
-        """OpenAI's for an answer that called: `stop` when the request named the function, else `tool_calls`."""
-        return "stop" if self.function is not None else "tool_calls"
-
-    @property
-    def constrained(self) -> bool:
-        return self.parser is None
-
-
-def chat_request(body: ChatCompletionRequest, request_id: str,
-                 choice: ToolChoice | None) -> generation_pb2.GenerateRequest:
-    """protocol.chat_request, with the tools for the chat template and the constraint of `choice`
-    (tool_choice(body), computed once per request)."""
+def chat_request(body: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
+    """protocol.chat_request, with the tools for the chat template and tool_choice (OpenAI's default:
+    `auto` when tools are given)."""
     request = protocol.chat_request(body, request_id)
     request.chat.tools.extend(template_tools(body.tools or []))
-    if choice is not None and choice.constrained:
-        request.sampling_params.structured_outputs.CopyFrom(constraint(choice, body.tools, body.parallel_tool_calls))
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+    if isinstance(choice, NamedToolChoice):
+        request.chat.tool_choice.function = choice.function.name
+    else:
+        request.chat.tool_choice.mode = choice
+    request.chat.tool_choice.parallel_tool_calls = body.parallel_tool_calls
     return request
 
 
-def tool_choice(body: ChatCompletionRequest, parser: ToolParser | None = None) -> ToolChoice | None:
-    """What the request's tools and tool_choice ask for; None for text. Raises ProtocolError naming the field."""
-    tools = body.tools or []
-    _check_tools(tools)
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
-    if choice == "none":
-        return None
-    if not tools:
-        raise ProtocolError("tool_choice", f"{json.dumps(_shown(choice))} needs tools; give tools or leave it unset")
-    if choice == "auto":
-        if parser is None:
-            raise ProtocolError("tool_choice", '"auto" (the default when tools are given) needs the server started '
-                                               'with --tool-call-parser; set "required", name a function, or "none"',
-                                code="unsupported_parameter")
-        return ToolChoice(parser=parser)
-    if body.response_format is not None or body.structured_outputs is not None:
-        raise ProtocolError("tool_choice", "constrains the output as response_format or structured_outputs would; "
-                                           "give one of them, not both")
-    if choice == "required":
-        return ToolChoice()
-    names = [tool.function.name for tool in tools]
-    if choice.function.name not in names:
-        raise ProtocolError("tool_choice", f"function {choice.function.name!r} is not among the tools "
-                                           f"({', '.join(names)})")
-    return ToolChoice(function=choice.function.name)
-
-
-def _shown(choice: Any) -> Any:
-    return choice if isinstance(choice, str) else choice.model_dump()
-
-
-def _check_tools(tools: list[ToolDefinition]) -> None:
-    seen = set()
-    for index, tool in enumerate(tools):
-        name = tool.function.name
-        if not _NAME.fullmatch(name):
-            raise ProtocolError(f"tools[{index}].function.name", f"{name!r} must be 1 to 64 letters, digits, "
-                                                                 "underscores or dashes")
-        if name in seen:
-            raise ProtocolError(f"tools[{index}].function.name", f"{name!r} is given twice")
-        seen.add(name)
-        _check_schema(tool.function.parameters or {}, f"tools[{index}].function.parameters")
-
-
-def _check_schema(schema: dict[str, Any], param: str) -> None:
-    if not isinstance(schema.get("$schema", ""), str):
-        raise ProtocolError(f"{param}.$schema", "must be the URI of a JSON schema dialect")
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as err:
-        raise ProtocolError(param, f"is not a valid JSON schema: {err.message}") from None
+def tool_fields(body: ChatCompletionRequest) -> dict[str, str]:
+    """The body's names of the tool fields of tandem.v1's chat, for its errors."""
+    return {"chat.tool_choice": "tool_choice",
+            **{f"chat.tools[{index}]": f"tools[{index}].function" for index in range(len(body.tools or ()))}}
 
 
 def template_tools(tools: list[ToolDefinition]) -> list[generation_pb2.Tool]:
@@ -119,47 +41,14 @@ def template_tools(tools: list[ToolDefinition]) -> list[generation_pb2.Tool]:
             for tool in tools]
 
 
-def constraint(choice: ToolChoice, tools: list[ToolDefinition], parallel: bool) -> structured_pb2.StructuredOutputs:
-    """The JSON schema the answer follows: the named function's parameters, or an array of calls of the tools."""
-    if choice.function is not None:
-        [tool] = [tool for tool in tools if tool.function.name == choice.function]
-        return structured_pb2.StructuredOutputs(json=json.dumps(_parameters(tool)))
-    calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": tool.function.name},
-                                                         "parameters": _parameters(tool)},
-                        "required": ["name", "parameters"], "additionalProperties": False}
-                       for tool in tools]}
-    schema = {"type": "array", "items": calls, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-    return structured_pb2.StructuredOutputs(json=json.dumps(schema))
-
-
-def _parameters(tool: ToolDefinition) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object", "properties": {}}
-
-
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def answer_of(choice: ToolChoice, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
     """A whole answer as the message's content and OpenAI's tool_calls (None: it made none). An answer
     that does not parse (cut short by max_tokens, or calls the parser cannot read) stays content."""
-    calls = _calls(choice, text)
+    calls = parsed_answer(choice, text)
     if calls is None:
         return text, None
     content, parsed = calls
     return content, [_call(name, arguments) for name, arguments in parsed] or None
-
-
-def _calls(choice: ToolChoice, text: str) -> tuple[str | None, list[ParsedCall]] | None:
-    if choice.parser is not None:
-        return choice.parser.parse(text)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if choice.function is not None:
-        return None, [(choice.function, text)]
-    return None, [(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value]
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:

@@ -88,12 +88,15 @@ CHAT_ONLY = {"top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 ROLES = st.sampled_from(["system", "user", "assistant", "tool"])
 SANE_INPUT = {
     "messages": st.lists(st.fixed_dictionaries({"role": ROLES, "content": texts}), min_size=1, max_size=2),
-    "prompt": texts.filter(bool) | st.lists(st.integers(0, 49_151), min_size=1, max_size=8),
+    "prompt": texts.filter(bool) | st.lists(st.integers(0, 49_151), min_size=1, max_size=8)
+              | st.lists(texts.filter(bool), min_size=1, max_size=3)  # a batch
+              | st.lists(st.lists(st.integers(0, 49_151), min_size=1, max_size=8), min_size=1, max_size=3),
 }
 WILD_INPUT = {
     "messages": st.lists(st.fixed_dictionaries({"role": ROLES | texts, "content": texts | json_values}),
                          max_size=3) | json_values,
-    "prompt": st.lists(texts, max_size=3) | st.lists(st.integers(-5, 2**33), max_size=8) | json_values,
+    "prompt": st.lists(texts, max_size=3) | st.lists(st.integers(-5, 2**33), max_size=8)
+              | st.lists(st.lists(st.integers(-5, 2**33), max_size=4), max_size=3) | json_values,
 }
 RESPONSES_TOOL = {"type": "function", "name": "f", "parameters": TOOL["function"]["parameters"]}
 # The Responses API's fields: its own names, and the sampling fields it shares with chat.

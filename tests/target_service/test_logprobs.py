@@ -206,6 +206,20 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone_as_vllm_does(client, pr
     assert plain.usage.completion_tokens == 1, "the one token the engine sampled, counted as vLLM counts it"
 
 
+def test_echo_in_a_batch_starts_each_choice_with_its_own_prompt(client):
+    """lm-evaluation-harness's local-completions with a batch size above 1 sends its contexts as one
+    batch: each choice echoes its own prompt and scores it as that prompt alone does."""
+    prompts = ["The sky is", "Two plus two is", "Paris is the capital of"]
+    params = {"model": "smollm2-135m", "max_tokens": 0, "temperature": 0, "logprobs": 1, "echo": True}
+    alone = [client.completions.create(prompt=p, **params).choices[0] for p in prompts]
+    batch = client.completions.create(prompt=prompts, **params)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    for got, expected, prompt in zip(batch.choices, alone, prompts):
+        assert got.text == expected.text == prompt
+        assert got.logprobs.token_logprobs == expected.logprobs.token_logprobs
+        assert got.logprobs.text_offset == expected.logprobs.text_offset and got.logprobs.text_offset[0] == 0
+
+
 def test_lm_evaluation_harness_loglikelihood_requests_score_the_continuation(front_doors, prompt_expected):
     """local-completions' request for a loglikelihood, and its reading of the answer, with speculation
     on (the n-gram drafter) and off: the same scores, equal to the prompt logprobs tandem.v1 sends."""

@@ -83,6 +83,38 @@ def test_completions_take_a_string_a_list_of_one_or_token_ids(front_doors, clien
     assert default.usage.completion_tokens == 16 and default.choices[0].finish_reason == "length"
 
 
+def _choices_by_index(chunks: list) -> list[tuple[int, str, str]]:
+    """A completion's choices, from its body or its chunks, as (index, text, finish_reason) in index order."""
+    texts: dict[int, list[str]] = {}
+    reasons: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts.setdefault(choice.index, []).append(choice.text)
+            if choice.finish_reason is not None:
+                reasons[choice.index] = choice.finish_reason
+    return [(index, "".join(texts[index]), reasons[index]) for index in sorted(texts)]
+
+
+def test_a_batch_of_prompts_answers_each_as_it_would_alone(front_doors, client):
+    """vLLM's batch: prompt p's sample i is choice p * n + i, sampled as that prompt alone samples it (its
+    seeds too), the usage summed over the prompts; as text or as token ids, streamed or not."""
+    prompts = ["The three primary colors are", "Once upon a time, a fox", "def add(a, b):"]
+    ids = [_post(front_doors, "/tokenize", {"prompt": p}).json()["tokens"] for p in prompts]
+    params = {"model": "smollm2-135m", "temperature": 0.8, "seed": 11, "n": 2, "max_tokens": 8}
+    alone = [client.completions.create(prompt=p, **params) for p in prompts]
+    expected = [(p * 2 + c.index, c.text, c.finish_reason) for p, a in enumerate(alone) for c in a.choices]
+    assert len({text for _, text, _ in expected}) > 3, "the samples differ, so a mixed-up order would show"
+    for sent in (prompts, ids):
+        whole = client.completions.create(prompt=sent, **params)
+        assert _choices_by_index([whole]) == sorted(expected)
+        assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) == sum(map(len, ids))
+        assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+        streamed = list(client.completions.create(prompt=sent, stream=True, stream_options={"include_usage": True},
+                                                  **params))
+        assert _choices_by_index(streamed) == sorted(expected)
+        assert streamed[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
 def test_a_stream_starts_with_the_role_ends_with_why_then_usage_and_done(front_doors):
     body = {"messages": _chat(PROMPTS[4]), "temperature": 0, "max_tokens": 40, "stream": True,
             "stream_options": {"include_usage": True}, "stop": ["lazy"]}
@@ -222,8 +254,10 @@ def test_bad_chat_bodies_get_an_openai_error_naming_the_parameter(front_doors, b
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", [1]]}, "prompt"),
     ({"prompt": []}, "prompt"),
+    ({"prompt": [[1, 2], [10**9]]}, "prompt[1]"),
+    ({"prompt": ["a", ""]}, "prompt[1]"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": "hi", "echo": "yes"}, "echo"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),

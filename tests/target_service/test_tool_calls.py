@@ -1,11 +1,13 @@
 """Function tools on the OpenAI door, driven by the OpenAI SDK: the tools and the history of calls
 reach the chat template (the shipped smollm2_tool_use one), tool_choice `required` or a named
 function makes the answer calls whose arguments follow the tools' schemas, and `auto` reads the
-calls the model writes (the Hermes parser), streamed or not, with speculation on and off alike."""
+calls the model writes (the Hermes parser), streamed or not, with speculation on and off alike.
+tandem.v1 takes the same tool_choice and returns the same calls."""
 from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import jsonschema
 import openai
@@ -13,6 +15,7 @@ import pytest
 
 from target_service.config import chat_template_source
 from tandem.runtime import load_tokenizer
+from tandem.v1 import generation_pb2, generation_pb2_grpc, structured_pb2
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now in a city",
@@ -160,3 +163,53 @@ def test_bad_tool_fields_get_a_400_naming_them_and_harm_nothing(front_doors, cli
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert _create(client, tool_choice=NAMED).choices[0].message.tool_calls
+
+
+def _grpc_tools() -> list[generation_pb2.Tool]:
+    return [generation_pb2.Tool(name=t["function"]["name"], description=t["function"]["description"],
+                                parameters=json.dumps(t["function"]["parameters"])) for t in TOOLS]
+
+
+def _grpc_answer(front_doors, choice: generation_pb2.ToolChoice, **params) -> list[generation_pb2.GenerateResponse]:
+    request = generation_pb2.GenerateRequest(
+        chat=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(**m) for m in ASK], tools=_grpc_tools(),
+                                         tool_choice=choice),
+        sampling_params=generation_pb2.SamplingParams(temperature=0, max_tokens=120, **params))
+    with grpc.insecure_channel(front_doors.address) as channel:
+        return list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120))
+
+
+def test_tandem_v1_takes_tool_choice_and_returns_the_calls_parsed(front_doors, client):
+    """The same calls as the OpenAI door makes, in the last response; the text deltas are the answer
+    as generated; a chat without tool_choice answers in text, its tools only shown."""
+    cases = [(generation_pb2.ToolChoice(function="get_weather"), {"tool_choice": NAMED}, {}),
+             (generation_pb2.ToolChoice(mode="required", parallel_tool_calls=False),
+              {"tool_choice": "required", "parallel_tool_calls": False}, {}),
+             (generation_pb2.ToolChoice(mode="auto"), {"tool_choice": "auto"},
+              {"structured_outputs": structured_pb2.StructuredOutputs(regex=HERMES_CALL["regex"])})]
+    for choice, openai_fields, params in cases:
+        responses = _grpc_answer(front_doors, choice, **params)
+        last = responses[-1]
+        extra = {"structured_outputs": HERMES_CALL} if params else {}
+        expected = _create(client, **openai_fields, extra_body=extra).choices[0].message
+        assert [(c.name, c.arguments) for c in last.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in expected.tool_calls]
+        assert all(c.id.startswith("call_") for c in last.tool_calls)
+        assert last.content == (expected.content or "")
+        text = "".join(r.text for r in responses)
+        assert text.startswith("Checking.\n<tool_call>" if params else ("[" if choice.mode else "{"))
+    plain = _grpc_answer(front_doors, generation_pb2.ToolChoice())
+    assert not plain[-1].tool_calls and "".join(r.text for r in plain)
+
+
+@pytest.mark.parametrize("choice, params, field", [
+    (generation_pb2.ToolChoice(function="get_news"), {}, "chat.tool_choice"),
+    (generation_pb2.ToolChoice(mode="sometimes"), {}, "chat.tool_choice.mode"),
+    (generation_pb2.ToolChoice(mode="required"),
+     {"structured_outputs": structured_pb2.StructuredOutputs(json_object=True)}, "chat.tool_choice"),
+])
+def test_tandem_v1_refuses_a_bad_tool_choice_naming_the_field(front_doors, choice, params, field):
+    with pytest.raises(grpc.RpcError) as caught:
+        _grpc_answer(front_doors, choice, **params)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(f"{field}: ")

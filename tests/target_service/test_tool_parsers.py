@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from target_service.openai_api.protocol import ChatCompletionRequest, ProtocolError
-from target_service.openai_api.tool_parsers import TOOL_PARSERS
-from target_service.openai_api.tools import CallStream, ToolChoice, answer_of, tool_choice
+from target_service.errors import RequestError
+from target_service.openai_api.protocol import ChatCompletionRequest
+from target_service.openai_api.tools import CallStream, answer_of, chat_request
+from target_service.tool_calls import ToolChoice, tool_choice_of
+from target_service.tool_parsers import TOOL_PARSERS
 
 HERMES, LLAMA = TOOL_PARSERS["hermes"], TOOL_PARSERS["llama3_json"]
 WEATHER = json.dumps({"city": "Paris", "unit": "celsius"})
@@ -86,7 +88,8 @@ def test_auto_is_refused_without_a_parser_and_is_the_default_with_tools():
     for extra in ({"tool_choice": "auto"}, {}):
         body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": tools,
                                                      **extra})
-        with pytest.raises(ProtocolError, match="--tool-call-parser") as info:
-            tool_choice(body)
-        assert info.value.param == "tool_choice"
-        assert tool_choice(body, HERMES) == ToolChoice(parser=HERMES)
+        chat = chat_request(body, "r").chat
+        with pytest.raises(RequestError, match="--tool-call-parser") as info:
+            tool_choice_of(chat, None, other_constraint=False)
+        assert info.value.field == "chat.tool_choice"
+        assert tool_choice_of(chat, HERMES, other_constraint=False) == (ToolChoice(parser=HERMES), None)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from target_service.openai_api.responses.protocol import Item, ResponsesRequest
-from target_service.openai_api.tools import CallStream, ToolChoice
+from target_service.openai_api.tools import CallStream
 from target_service.sequence import FinishReason, Sequence
+from target_service.tool_calls import ToolChoice
 
 Event = dict[str, Any]
 

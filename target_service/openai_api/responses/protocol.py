@@ -25,6 +25,7 @@ from target_service.openai_api.protocol import (INT64_MAX, INT64_MIN, UINT32_MAX
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the `include` entry that asks for the answer's logprobs
 # Where a chat request's field names what a responses request calls otherwise.
 RESPONSES_FIELDS = {"messages": "input", "input": "input", "chat.messages": "input", "chat": "input",
+                    "chat.tools": "tools", "chat.tool_choice": "tool_choice",
                     "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                     "response_format": "text.format", "structured_outputs": "text.format"}
 

@@ -46,7 +46,7 @@ class ResponsesApi:
         body = await self.server.read_body(request, ResponsesRequest)
         response_id = f"resp_{uuid.uuid4().hex}"
         try:
-            history, items, choice, ours = self._translate(body, self.server.request_id(request, body, response_id))
+            history, items, ours = self._translate(body, self.server.request_id(request, body, response_id))
         except ProtocolError as err:
             raise ApiError.of_protocol_error(protocol.renamed_error(err)) from None
         meta = ResponseMeta(response_id, int(time.time()), self.server.serving.loaded.name, body,
@@ -54,7 +54,7 @@ class ResponsesApi:
         try:
             async with self.server.serving.session(ours) as samples:
                 [seq] = samples
-                stream = ResponseStream(meta, choice)
+                stream = ResponseStream(meta, seq.options.tool_choice)
                 piece = pieces(Logprobs.chat, seq, self.server.token_text)
                 if body.stream:
                     return await self._stream(request, seq, stream, piece, (history, items))
@@ -69,14 +69,13 @@ class ResponsesApi:
             raise ApiError.of_request_error(err, RESPONSES_FIELDS) from None
 
     def _translate(self, body: ResponsesRequest, request_id: str) -> tuple[
-            list[ParsedItem], list[ParsedItem], tools.ToolChoice | None, generation_pb2.GenerateRequest]:
-        """The history continued, the input, what the answer may call, and the engine's request."""
+            list[ParsedItem], list[ParsedItem], generation_pb2.GenerateRequest]:
+        """The history continued, the input, and the engine's request."""
         protocol.check(body)
         items = protocol.input_items(body)
         history = self._history(body.previous_response_id)
         chat = protocol.chat_request(body, history, items)
-        choice = tools.tool_choice(chat, self.server.tool_parser)
-        return history, items, choice, tools.chat_request(chat, request_id, choice)
+        return history, items, tools.chat_request(chat, request_id)
 
     def _history(self, previous_id: str | None) -> list[ParsedItem]:
         if previous_id is None:

@@ -1,5 +1,5 @@
 """Tool-call parsers for tool_choice `auto` (the target's --tool-call-parser, vLLM's names): how a
-model writes calls among its text, read back into OpenAI's calls.
+model writes calls among its text, read back into calls (tool_calls.py).
 
 - `hermes`: each call a JSON object {"name": ..., "arguments": {...}} between <tool_call> and
   </tool_call> (Hermes, Qwen, and the shipped smollm2_tool_use template); text before the first
