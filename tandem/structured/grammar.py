@@ -17,6 +17,7 @@ import llguidance
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from tandem.structured.closed_objects import closed_objects
 from tandem.structured.constraint import Constraint, ConstraintError
 from tandem.tokenizer import Tokenizer
 
@@ -142,7 +143,8 @@ def _grammar_text(constraint: Constraint) -> str:
             raise ConstraintError(constraint.field, f"is not valid JSON: {err}") from err
         if not isinstance(schema, dict):
             raise ConstraintError(constraint.field, "must be a JSON object (a schema)")
-        return Matcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": not constraint.compact})
+        return Matcher.grammar_from_json_schema(closed_objects(schema),
+                                                defaults={"whitespace_flexible": not constraint.compact})
     if kind == "json_object":
         return Matcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": not constraint.compact})
     if kind == "regex":

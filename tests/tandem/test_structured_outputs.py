@@ -127,6 +127,34 @@ def test_each_sequence_gets_its_own_matcher(compiler, tokenizer):
     assert one.is_stopped() and not two.is_stopped()
 
 
+def _accepts(compiler, tokenizer, schema: dict, text: str) -> bool:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    matcher = compiler.compile(Constraint("json", json.dumps(schema))).matcher()
+    return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("schema, text, accepted", [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a": 1}', True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a": 1, "b": 2}', False),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     '{"a": 1, "b": 2}', True),
+    ({"type": "object"}, '{"b": 2}', True),
+    ({"type": "array", "items": {"type": "object", "properties": {"name": {"const": "f"}}}},
+     '[{"name": "f", "description": "x"}]', False),
+    ({"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+     '{"properties": {"x": 1}}', True),
+    ({"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+     '{"properties": {"x": 1, "y": 2}}', False),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                {"type": "object", "properties": {"b": {"type": "integer"}}}]}, '{"a": 1, "b": 2}', True),
+])
+def test_objects_that_list_properties_allow_no_others_as_vllms_default_backend(compiler, tokenizer, schema, text,
+                                                                               accepted):
+    """xgrammar's strict mode, which vLLM uses by default, for objects that list properties; an object
+    without properties, and an allOf's branches, stay open."""
+    assert _accepts(compiler, tokenizer, schema, text) is accepted
+
+
 def test_gbnf_and_lark_give_the_same_language(compiler, tokenizer):
     gbnf = compiler.compile(Constraint("grammar", 'root ::= "id-" [0-9] [0-9]')).matcher()
     lark = compiler.compile(Constraint("grammar", 'start: "id-" /[0-9]/ /[0-9]/')).matcher()
