@@ -38,7 +38,7 @@ from bench.prompt_set import KINDS, load_prompts
 from bench.serve import EAGLE3, eagle3_drafter_flags
 from tandem.hidden_states import FeatureLayout
 from tandem.model.batch import SequenceChunk
-from tandem.generate import greedy_generate
+from bench.greedy import greedy_generate
 from tandem.launch import ServiceProcess
 from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from tandem.runtime import load_model

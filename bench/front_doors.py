@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
-from bench.load import Arrivals, RequestRecord, run_http_load, run_load
+from bench.http_client import run_http_load
+from bench.load import Arrivals, RequestRecord, run_load
 from bench.prompt_set import Prompt, load_prompts
 from bench.stats import ratio, summarize
 from tandem.launch import GatewayProcess, ServiceProcess, free_port

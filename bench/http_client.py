@@ -1,4 +1,4 @@
-"""One streamed OpenAI chat completion, recorded as bench.load records a gRPC generation.
+"""One streamed OpenAI chat completion, recorded as bench.load records a gRPC generation, and a load of them.
 
 What any OpenAI client sends: `stream: true` with `stream_options.include_usage`, so that the
 token count comes from the server's usage chunk. The first content chunk is the first token;
@@ -6,12 +6,13 @@ each later content chunk is one gap (it holds several tokens when drafts were ac
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import aiohttp
 
-from bench.load import RequestRecord, failed_record
+from bench.load import Arrivals, RequestRecord, RunResult, drive, failed_record
 from bench.prompt_set import Prompt
 
 
@@ -57,3 +58,20 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, prompt: Prompt, 
         draft_tokens=spec.get("num_draft_tokens", 0), accepted_tokens=spec.get("num_accepted_draft_tokens", 0),
         draft_steps=spec.get("num_spec_steps", 0), finish_reason=finish,
         itl=[b - a for a, b in zip(chunk_times, chunk_times[1:])])
+
+
+async def run_http_load(url: str, model: str, prompts: list[Prompt], arrivals: Arrivals, *, temperature: float,
+                        max_tokens: int, speculate: bool | None, seed: int = 0, timeout: float = 600.0) -> RunResult:
+    """bench.load's run_load over OpenAI's chat completions at `url`, streamed, as an OpenAI client sends them."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one(i: int, sent: float) -> RequestRecord:
+            body = chat_body(prompts[i], model, temperature, max_tokens, seed + i if temperature > 0 else None,
+                             speculate)
+            try:
+                return await stream_chat(session, url, prompts[i], body, sent, timeout)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                return failed_record(prompts[i], sent, repr(e))
+
+        return await drive(len(prompts), arrivals, one)

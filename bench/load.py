@@ -119,27 +119,6 @@ async def run_load(address: str, prompts: list[Prompt], arrivals: Arrivals, *, t
         return await drive(len(prompts), arrivals, one)
 
 
-async def run_http_load(url: str, model: str, prompts: list[Prompt], arrivals: Arrivals, *, temperature: float,
-                        max_tokens: int, speculate: bool | None, seed: int = 0, timeout: float = 600.0) -> RunResult:
-    """The same over OpenAI's chat completions at `url`, streamed, as an OpenAI client sends them."""
-    import aiohttp
-
-    from bench.http_client import chat_body, stream_chat  # here: it builds on this module's records
-
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def one(i: int, sent: float) -> RequestRecord:
-            body = chat_body(prompts[i], model, temperature, max_tokens, seed + i if temperature > 0 else None,
-                             speculate)
-            try:
-                return await stream_chat(session, url, prompts[i], body, sent, timeout)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                return failed_record(prompts[i], sent, repr(e))
-
-        return await drive(len(prompts), arrivals, one)
-
-
 def failed_record(prompt: Prompt, sent: float, error: str) -> RequestRecord:
     return RequestRecord(prompt.id, prompt.kind, sent, 0.0, 0.0, 0, 0, 0, 0, 0, "error", error=error)
 

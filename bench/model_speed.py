@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from tandem.generate import greedy_generate
+from bench.greedy import greedy_generate
 from tandem.loaders import load_checkpoint
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import build_model

@@ -29,7 +29,7 @@ class DraftConfig:
     drafter_target: str = ""  # a drafter file's target checkpoint; empty: the one the file names
     device: str = "cpu"
     dtype: str = "auto"  # bf16 for a drafter file, on CUDA and on CPUs with the native decoder, else fp32
-    threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
+    threads: int = 1  # torch threads; one core per service by default (docs/design/runtime.md, CPU threads)
     num_slots: int = 8
     prefix_caching: bool = True  # a closed sequence's slots keep their KV for a prompt with the same first tokens
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # a round's catch-up forward at most (chunked prefill)

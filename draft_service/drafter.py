@@ -113,8 +113,9 @@ class Guess:
 
 
 @dataclass(slots=True)
-class Proposal:
-    """Draft tokens for positions base_len.. of one sequence, with q' when the target needs it."""
+class Drafted:
+    """What a drafter drafted for one job: draft tokens for positions base_len.. of one sequence, with q'
+    when the target needs it; sent as a DraftProposal (docs/design/architecture.md, Glossary: proposal)."""
 
     key: SeqKey
     base_len: int
@@ -140,15 +141,24 @@ class Proposal:
         return message
 
 
-def make_proposal(job: DraftJob, token_ids: list[int], q_prime: CompressedProbs | None,
-                  recovered_guesses: list[list[Guess]] | None = None, guessed_next: int | None = None) -> Proposal:
-    """A Proposal carrying q' for rejection sampling, or ids only when q_prime is None.
+def make_drafted(job: DraftJob, token_ids: list[int], q_prime: CompressedProbs | None,
+                  recovered_guesses: list[list[Guess]] | None = None, guessed_next: int | None = None) -> Drafted:
+    """A Drafted carrying q' for rejection sampling, or ids only when q_prime is None.
 
     guessed_next: the bonus token a guess_next job guessed, the last of its assumed tokens.
     """
     assumed = job.tokens[job.known_len :] + ([] if guessed_next is None else [guessed_next])
-    return Proposal(job.sequence.key, job.base_len, token_ids, q_prime, assumed_ids=assumed,
+    return Drafted(job.sequence.key, job.base_len, token_ids, q_prime, assumed_ids=assumed,
                     recovered_guesses=recovered_guesses or [], job=job)
+
+
+def common_prefix_len(a: list[int], b: list[int], likely: int = 0) -> int:
+    """Length of the common prefix; `likely`, a length they probably share, is checked first at C speed."""
+    n = min(len(a), len(b))
+    i = likely if likely <= n and a[:likely] == b[:likely] else 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def never() -> bool:
@@ -173,7 +183,7 @@ class Drafter(Protocol):
         """The target committed these tokens (all of them, prompt included): state kept for outcomes
         that did not happen may go, state drafted for the one that did is kept."""
 
-    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Proposal]:
+    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Drafted]:
         """Up to each job's k draft tokens, batched; jobs with nothing to propose may be left out.
 
         A pre-draft job (job.is_predraft) may also be left out when the drafter has no room for it.

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from draft_service.drafter import DraftSequence, Proposal, SeqKey
-from draft_service.drafters.kv_slots import common_prefix_len
+from draft_service.drafter import DraftSequence, Drafted, SeqKey, common_prefix_len
 from tandem_kernels.compression import point_mass
 from tandem.structured import CompiledGrammar, ConstraintError, GrammarCompiler
 from tandem.structured.grammar import Matcher
@@ -93,7 +92,7 @@ class DraftGrammars:
             sequence.grammar.settle(committed)
 
     @staticmethod
-    def constrain(drafts: list[Proposal], sequences: dict[SeqKey, DraftSequence]) -> list[Proposal]:
+    def constrain(drafts: list[Drafted], sequences: dict[SeqKey, DraftSequence]) -> list[Drafted]:
         """Each constrained draft cut at the first token its grammar forbids, then extended with the
         tokens the grammar forces, up to k; pre-drafts left empty go."""
         kept = []
@@ -106,7 +105,7 @@ class DraftGrammars:
         return kept
 
 
-def _fit(draft: Proposal, sequence: DraftSequence) -> None:
+def _fit(draft: Drafted, sequence: DraftSequence) -> None:
     if sequence.grammar is None:
         cut(draft, 0)
         return
@@ -122,7 +121,7 @@ def _fit(draft: Proposal, sequence: DraftSequence) -> None:
             draft.q_prime = point_mass(draft.token_ids)
 
 
-def cut(draft: Proposal, keep: int) -> None:
+def cut(draft: Drafted, keep: int) -> None:
     """Keep the first `keep` draft tokens, with their q' rows and guesses."""
     if draft.q_prime is not None:
         draft.q_prime = draft.q_prime.rows(slice(0, keep))

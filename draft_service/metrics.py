@@ -1,4 +1,4 @@
-"""The draft service's Prometheus metrics, in their own registry (docs/design.md, Metrics)."""
+"""The draft service's Prometheus metrics, in their own registry (docs/design/metrics.md)."""
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,4 @@
-"""Pre-drafting: the drafter's side of the speculation cache (docs/design.md, The speculation cache).
+"""Pre-drafting: the drafter's side of the speculation cache (docs/design/speculation-cache.md).
 
 After proposing d1..dk for a committed prefix C of length L, the drafter does not wait for the
 target's next Extend. It drafts ahead for the likely outcomes of the verification the target is
@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from draft_service.drafter import DraftJob, DraftSequence, Guess, Proposal, SeqKey
+from draft_service.drafter import DraftJob, DraftSequence, Guess, Drafted, SeqKey
 from draft_service.metrics import DraftMetrics
 from tandem.protos import MAX_HELD_PROPOSALS
 
@@ -267,7 +267,7 @@ class Predrafter:
         """The target wants no drafts of this sequence for now: no proposal of it is current, none pending."""
         self._make_current(self._states[sequence.key], None)
 
-    def on_drafted(self, job: DraftJob, draft: Proposal | None) -> None:
+    def on_drafted(self, job: DraftJob, draft: Drafted | None) -> None:
         """A fresh proposal was sent: if it still answers the newest tokens, the target verifies it next."""
         state = self._states.get(job.sequence.key)
         if state is None or state.sequence.tokens != job.tokens:
@@ -320,12 +320,12 @@ class Predrafter:
         scored.sort(key=lambda pair: -pair[0])
         return [job for _, job in scored]
 
-    def on_predrafted(self, drafts: list[Proposal], now: float, round_s: float) -> list[Proposal]:
+    def on_predrafted(self, drafts: list[Drafted], now: float, round_s: float) -> list[Drafted]:
         """The round's pre-drafts that are still worth sending: the target has committed a prefix of
         their tokens (none of them, some, or all), and their proposal is still in the tree. The
         others are dropped. Then each sequence that stayed where it was plans the tree's next level:
         the outcomes of the pre-drafts just sent."""
-        sent: list[Proposal] = []
+        sent: list[Drafted] = []
         per_sequence: Counter[SeqKey] = Counter()
         new_level: dict[SeqKey, list[SentProposal]] = {}
         trees: dict[SeqKey, set[int]] = {}

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.drafter import DraftJob, DraftSequence, Drafter, Proposal, SeqKey, never, sampling_of
+from draft_service.drafter import DraftJob, DraftSequence, Drafter, Drafted, SeqKey, never, sampling_of
 from draft_service.features import SequenceFeatures
 from draft_service.grammars import DraftGrammars
 from draft_service.metrics import DraftMetrics
@@ -368,7 +368,7 @@ class DraftScheduler:
             return Round(fresh, predraft=False, settled=settled)
         return Round(self._predrafter.take_jobs(), predraft=True, settled=settled)
 
-    def _round(self, slot_ops: list[SlotOp], work: Round) -> list[Proposal]:
+    def _round(self, slot_ops: list[SlotOp], work: Round) -> list[Drafted]:
         """On the drafter's thread: opens and closes in arrival order, then what the target committed, then a draft."""
         for op in slot_ops:
             (self._drafter.open if op.opening else self._drafter.close)(op.key)
@@ -384,7 +384,7 @@ class DraftScheduler:
         constrained = {job.sequence.key: job.sequence for job in jobs if job.sequence.constraint is not None}
         return DraftGrammars.constrain(drafts, constrained) if constrained else drafts
 
-    def _deliver(self, jobs: list[DraftJob], drafts: list[Proposal], elapsed: float) -> None:
+    def _deliver(self, jobs: list[DraftJob], drafts: list[Drafted], elapsed: float) -> None:
         """One DraftProposals message per stream, with an answer for every job: its draft, or nothing.
 
         Jobs of sequences closed meanwhile are dropped.
@@ -411,7 +411,7 @@ class DraftScheduler:
             self._dirty = again | self._dirty
             self._wake.set()
 
-    def _deliver_predrafts(self, drafts: list[Proposal], elapsed: float) -> None:
+    def _deliver_predrafts(self, drafts: list[Drafted], elapsed: float) -> None:
         """The pre-drafts still worth sending, one DraftProposals message per stream."""
         by_stream: dict[int, list[drafter_pb2.DraftProposal]] = {}
         for draft in self._predrafter.on_predrafted(drafts, time.perf_counter(), elapsed):

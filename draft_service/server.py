@@ -93,7 +93,7 @@ def model_vocab_size(path: Path, tokenizer: Tokenizer) -> int:
     return tokenizer.vocab_size  # a GGUF vocabulary is its token list
 
 
-class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+class DraftService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, info: drafter_pb2.DrafterInfo, scheduler: DraftScheduler):
         self._info = info
         self._scheduler = scheduler
@@ -137,7 +137,7 @@ async def serve(config: DraftConfig) -> None:
     scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits,
                                max_fanout=config.max_fanout, guesses=guesses, grammars=loaded.grammars,
                                max_predraft_depth=config.max_predraft_depth)
-    servicer = DrafterServicer(loaded.info, scheduler)
+    servicer = DraftService(loaded.info, scheduler)
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
                             max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,
                             tls=config.server_tls())

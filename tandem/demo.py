@@ -1,7 +1,7 @@
 """`make demo`: the drafter and the target on loopback with the embedded model, one streamed chat
 over gRPC, then one chat completion and one function call over the target's OpenAI-compatible HTTP API.
 
-Each service gets one core (--threads 1), as docs/design.md (CPU threads) advises on a small box.
+Each service gets one core (--threads 1), as docs/design/runtime.md (CPU threads) advises on a small box.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tandem.launch import ServiceProcess, free_port
 from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
 # A request that copies much of its prompt, where drafts pay on any machine; on a small CPU the
-# target's speed guard holds off drafts that do not (docs/design.md, The speed guard).
+# target's speed guard holds off drafts that do not (docs/design/speculation.md, The speed guard).
 PROMPT = ("Correct any mistakes in the following text and return the full corrected text.\n\n"
           "Our team moved its build sytem from a single large script to a set of small tasks last month. "
           "Each task declares its inputs and outputs, so the build only reruns what changed. Clean builds "

@@ -2,7 +2,7 @@
 
 The drafter turns its distribution q into q' = decode(encode(q, K)) and samples its draft from
 q' (`sample_compressed`), never from q; the target decodes the same q' from the wire. Since q'
-is what the draft was drawn from, rejection sampling stays lossless for any K (docs/design.md, Lossless rules).
+is what the draft was drawn from, rejection sampling stays lossless for any K (docs/design/lossless.md).
 
 Fixed point: one is ONE = 2**15, so a probability is an integer in [0, ONE] that fits a uint16,
 and decoding (`fixed * 2**-15`) is exact in float32: bit-identical on every device. Each row's

@@ -10,7 +10,7 @@ make the counter-to-bits map a bijection, so no two positions of one stream ever
 vector. Integer math is exact on every device (the PyTorch side emulates uint32 with int64), so
 bits and uniforms are bit-identical everywhere; see `race_weights` for the one float step.
 
-Salts keep these streams apart (docs/design.md, Lossless rules):
+Salts keep these streams apart (docs/design/lossless.md):
 - TARGET_SALT: the target's token draws (plain sampling, recovered and bonus tokens). The
   drafter-invariant mode shares this noise with the drafter on purpose.
 - ACCEPT_SALT: the target's acceptance uniform u.

@@ -8,7 +8,7 @@ Each request emits num_accepted + 1 tokens: its accepted drafts, then one recove
 
 The batch layout (cu_num_draft_tokens, positions) is described in `tandem_kernels.ragged`.
 
-Rules (docs/design.md, Lossless rules), with p the target row and q' the compressed draft distribution:
+Rules (docs/design/lossless.md), with p the target row and q' the compressed draft distribution:
 - greedy: accept while d == argmax p; then emit argmax p.
 - random: accept d when u < p(d) / q'(d), with u keyed by ACCEPT_SALT (tested as u * q'(d) < p(d),
   exact in float64). On the first rejection, emit a draw from max(0, p - q') (TARGET_SALT race,

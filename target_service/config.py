@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from target_service.drafter_addresses import DrafterAddresses
-from target_service.tool_parsers import TOOL_PARSERS
+from target_service.front_doors.tool_parsers import TOOL_PARSERS
+from target_service.speculation.addresses import DrafterAddresses
 from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, PAGE_SIZE
 from tandem.tls import ClientTls, ServerTls, read_token
@@ -34,7 +34,7 @@ class TargetConfig:
     vllm_grpc_port: int = 0  # vLLM's engine protocol alone, without the bearer token, for a gateway; 0: off
     device: str = "cpu"
     dtype: str = "auto"  # bf16 on CUDA and on CPUs with the native decoder, else fp32
-    threads: int = 1  # torch threads; one core per service by default (docs/design.md, CPU threads)
+    threads: int = 1  # torch threads; one core per service by default (docs/design/runtime.md, CPU threads)
     max_num_seqs: int = 8  # running sequences, one KV slot (block table) each
     max_model_len: int = 2048
     kv_cache_tokens: int = 0  # the KV cache's size in tokens, in whole blocks; 0: max_num_seqs x max_model_len

@@ -19,14 +19,15 @@ import grpc
 
 from tandem_kernels.random import sample_seed
 from target_service.config import TargetConfig
-from target_service.draft_plan import DraftPlan
 from target_service.errors import RequestError
 from target_service.kv_event_stream import KvEventStream
 from target_service.metrics import TargetMetrics
+from target_service.model_runner import ModelRunner
+from target_service.step_items import ItemResult, PrefillItem, PromptPart
 from target_service.scheduler import PromptChunk, Scheduler
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence
-from target_service.speculator import Speculator
-from target_service.model_runner import ModelRunner, PrefillItem, PromptPart, Verified
+from target_service.speculation.plan import DraftPlan
+from target_service.speculation.speculator import Speculator
 from target_service.stops import StopChecker
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.structured.grammar import Matcher
@@ -181,7 +182,7 @@ class Engine:
         """Publish what the prefix cache stored and evicted since the last call, as one batch."""
         self.kv_events.publish(self.scheduler.prefix_cache.events.take())
 
-    async def _prefill(self, prefills: list[Sequence], chunks: list[PromptChunk]) -> tuple[list[Verified], list[int]]:
+    async def _prefill(self, prefills: list[Sequence], chunks: list[PromptChunk]) -> tuple[list[ItemResult], list[int]]:
         """The prefills' first tokens, and the chunks' KV, in one forward; and where each prefill's
         run (its feature rows) starts. A request's first sample runs the prompt from what its slot
         holds (prefix caching, earlier chunks); its other samples (right after it) share its KV."""
@@ -211,7 +212,7 @@ class Engine:
         self.metrics.prefix_cache_hits.inc(sum(s.cached_tokens for s in prompts))
         return results, [items[i.copy_of].cached if i.copy_of is not None else i.cached for i in items]
 
-    async def _verify(self, plan: DraftPlan) -> tuple[list[Verified], float]:
+    async def _verify(self, plan: DraftPlan) -> tuple[list[ItemResult], float]:
         """The verify (or, without drafts, decode) step's results, and how long it took."""
         kind = "verify" if any(plan.available) else "decode"
         started = time.perf_counter()
@@ -225,7 +226,7 @@ class Engine:
 
     # ---- committing and publishing ----------------------------------------------------------
 
-    def _commit(self, seqs: list[Sequence], results: list[Verified]) -> list[Output | None]:
+    def _commit(self, seqs: list[Sequence], results: list[ItemResult]) -> list[Output | None]:
         """Append a step's tokens to each sequence, up to a stop or its budget, which ends it.
 
         None for a sequence that ended while the step ran (aborted): it commits nothing.
@@ -245,7 +246,7 @@ class Engine:
                 self._finish(seq, finish)
         return outputs
 
-    async def _publish(self, seqs: list[Sequence], results: list[Verified], outputs: list[Output | None],
+    async def _publish(self, seqs: list[Sequence], results: list[ItemResult], outputs: list[Output | None],
                        firsts: list[int]) -> None:
         """Tell the drafter about the committed tokens, and send them to the clients.
 

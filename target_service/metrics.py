@@ -1,11 +1,11 @@
-"""The target's Prometheus metrics (docs/design.md, Metrics), in a registry of their own."""
+"""The target's Prometheus metrics (docs/design/metrics.md), in a registry of their own."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from target_service.speed_guard import GuardFigures
+from target_service.speculation.speed_guard import GuardFigures
 from target_service.vllm_metrics import VllmMirror
 
 # 1 ms upwards, roughly doubling: resolves CPU decode steps and GPU TTFT alike.

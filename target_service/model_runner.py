@@ -33,13 +33,13 @@ import torch
 from tandem_kernels.bitmask import allowed_tokens, apply_forbidden, apply_token_bitmask
 from tandem_kernels.compression import CompressedProbs, concat, no_probs
 from tandem_kernels.gumbel import verify_invariant
-from tandem_kernels.logits_processors import LogitsContext, process_logits
+from tandem_kernels.logits_processors import process_logits
 from tandem_kernels.logprobs import TokenLogprob, row_logprobs, sequence_logprobs, token_logprobs
 from tandem_kernels.ragged import VerifyBatch
 from tandem_kernels.rejection import rejection_sample
 from tandem_kernels.sampling import Sampling, probs_of, sample
-from target_service.drafts import UsableDrafts
 from target_service.metrics import TargetMetrics
+from target_service.step_items import ItemResult, PrefillItem, PromptPart, VerifyItem
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
 from tandem.structured import TokenMasker
@@ -48,84 +48,6 @@ from tandem.structured.grammar import Matcher
 
 # What turns a prefill's rows (final hidden states) into logits; None: the rows are logits already.
 ToLogits = Callable[[torch.Tensor], torch.Tensor] | None
-
-@dataclass(frozen=True, slots=True)
-class PrefillItem:
-    slot: int
-    prompt_ids: list[int]
-    sampling: Sampling
-    grammar: Matcher | None = None
-    logits_context: LogitsContext | None = None  # penalties, bans, biases: None when none applies
-    logprobs: int | None = None  # top log-probabilities to return with the token; None: none
-    prompt_logprobs: int | None = None  # the same for each prompt token from the second on; None: none
-    copy_of: int | None = None  # the batch index of an item with the same prompt: share its KV, sample its row
-    cached: int = 0  # the prompt's first tokens whose KV the slot holds already: they do not run
-
-    @property
-    def num_logits(self) -> int:
-        """Every position's logits from `cached` on when its prompt's logprobs are asked; else the last one's."""
-        return 1 if self.prompt_logprobs is None else len(self.prompt_ids) - self.cached
-
-    @property
-    def scored(self) -> list[int]:
-        """The prompt tokens its rows score, when its prompt's logprobs are asked: row j scores the token after it."""
-        return self.prompt_ids[self.cached + 1:]
-
-
-@dataclass(frozen=True, slots=True)
-class PromptPart:
-    """Positions [start, end) of a prompt that goes on in a later step (chunked prefill): its KV is
-    written and nothing is sampled; with prompt_logprobs, prompt tokens start + 1 .. end are scored."""
-
-    slot: int
-    prompt_ids: list[int]
-    start: int
-    end: int
-    prompt_logprobs: int | None = None
-
-    @property
-    def num_logits(self) -> int:
-        """Its rows when its prompt's logprobs are asked; else the one row a forward returns (unread)."""
-        return 1 if self.prompt_logprobs is None else self.end - self.start
-
-    @property
-    def chunk(self) -> SequenceChunk:
-        return SequenceChunk(slot=self.slot, start=self.start, token_ids=self.prompt_ids[self.start:self.end],
-                             num_logits=self.num_logits)
-
-    @property
-    def scored(self) -> list[int]:
-        return self.prompt_ids[self.start + 1:self.end + 1]
-
-
-@dataclass(frozen=True, slots=True)
-class VerifyItem:
-    slot: int
-    length: int  # n, the committed length
-    last_token: int
-    drafts: UsableDrafts | None
-    sampling: Sampling
-    grammar: Matcher | None = None
-    logits_context: LogitsContext | None = None  # its drafts are the context's: row i follows d1..di
-    logprobs: int | None = None  # top log-probabilities to return with each token; None: none
-    replay: tuple[int, ...] = ()  # committed tokens before last_token whose KV the slot lacks (after a preemption)
-
-    @property
-    def num_drafts(self) -> int:
-        return 0 if self.drafts is None else len(self.drafts.tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class Verified:
-    tokens: list[int]  # accepted drafts, then the recovered or bonus token
-    num_accepted: int
-    # With capture layers: the target's features at the chunk's positions, bf16 [rows, layers, hidden]
-    # (a prefill's prompt positions; a verify's n-1 .. n-1+k, of which the committed ones are sent).
-    features: torch.Tensor | None = None
-    logprobs: list[TokenLogprob] | None = None  # one per token, when the item asked for them
-    # A prefill's, when asked: for prompt tokens cached + 1 .. (a part's: start + 1 .. end)
-    prompt_logprobs: list[TokenLogprob] | None = None
-
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, metrics: TargetMetrics | None = None):
@@ -149,8 +71,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = (),
-                parts: list[PromptPart] = ()) -> list[Verified]:
-        """Each item's first token; capture: also the features of these target layers (Verified.features).
+                parts: list[PromptPart] = ()) -> list[ItemResult]:
+        """Each item's first token; capture: also the features of these target layers (ItemResult.features).
 
         parts: earlier parts of longer prompts, run in the same forward; after the items' results
         comes one per part, with no token (and its features and prompt logprobs, when asked)."""
@@ -162,7 +84,7 @@ class ModelRunner:
         rows, features, to_logits = self._prefill_forward(chunks + [p.chunk for p in parts], capture, scoring)
         num_rows = sum(c.num_logits for c in chunks)  # the parts' rows come after these
         parts_scored = _prompt_logprobs(rows[num_rows:], list(parts), to_logits)
-        part_results = [Verified([], 0, f, prompt_logprobs=scored)
+        part_results = [ItemResult([], 0, f, prompt_logprobs=scored)
                         for f, scored in zip(features[len(chunks):], parts_scored, strict=True)]
         if not chunks:
             return part_results
@@ -192,7 +114,7 @@ class ModelRunner:
             positions = self._long([len(items[b].prompt_ids) for b in sampled])
             for b, token in zip(sampled, sample(probs, self._seeds(samplings), positions).tolist()):
                 tokens[b] = token
-        return _with_logprobs([Verified([token], 0, rows, prompt_logprobs=prompt)
+        return _with_logprobs([ItemResult([token], 0, rows, prompt_logprobs=prompt)
                                for token, rows, prompt in zip(tokens, features, prompt_logprobs)], raw) + part_results
 
     def _prefill_forward(self, chunks: list[SequenceChunk], capture: tuple[int, ...],
@@ -206,7 +128,7 @@ class ModelRunner:
         return hidden, [None] * len(chunks), self.model.logits
 
     @torch.inference_mode()
-    def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:
+    def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[ItemResult]:
         chunks = [
             SequenceChunk(
                 slot=i.slot,
@@ -222,7 +144,7 @@ class ModelRunner:
         raw = _raw_rows(logits, list(zip(firsts, items)), [i.num_drafts + 1 for i in items])  # before masks, rules
         self._apply_masks(logits, masks)
         _process_logits(logits, list(zip(firsts, items)))
-        results: list[Verified | None] = [None] * len(items)
+        results: list[ItemResult | None] = [None] * len(items)
         greedy = [b for b, i in enumerate(items) if i.sampling.greedy]
         rows = self._rows_of(items, greedy)
         targets = iter(self._greedy_tokens(logits, rows, logits.shape[0]))
@@ -239,7 +161,7 @@ class ModelRunner:
                 for b, verified in zip(group, verify([items[b] for b in group], probs)):
                     results[b] = verified
         if capture:  # the replayed rows' features were sent when those tokens were first committed
-            results = [Verified(r.tokens, r.num_accepted, rows[len(i.replay):])
+            results = [ItemResult(r.tokens, r.num_accepted, rows[len(i.replay):])
                        for r, rows, i in zip(results, features, items)]
         return _with_logprobs(results, raw)
 
@@ -292,12 +214,12 @@ class ModelRunner:
             return []
         return self.model.greedy_tokens(logits if len(rows) == total else logits[self._long(rows)])
 
-    def _rejection(self, items: list[VerifyItem], probs: torch.Tensor) -> list[Verified]:
+    def _rejection(self, items: list[VerifyItem], probs: torch.Tensor) -> list[ItemResult]:
         greedy = torch.tensor([i.sampling.greedy for i in items], dtype=torch.bool, device=self.device)
         result = rejection_sample(self._verify_batch(items, probs), self._draft_probs(items), greedy)
         return _unpack(result.tokens, result.num_accepted)
 
-    def _invariant(self, items: list[VerifyItem], probs: torch.Tensor) -> list[Verified]:
+    def _invariant(self, items: list[VerifyItem], probs: torch.Tensor) -> list[ItemResult]:
         result = verify_invariant(self._verify_batch(items, probs))
         return _unpack(result.tokens, result.num_accepted)
 
@@ -338,14 +260,14 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
 
-def verify_greedy(drafts: tuple[int, ...], targets: list[int]) -> Verified:
+def verify_greedy(drafts: tuple[int, ...], targets: list[int]) -> ItemResult:
     """Greedy verification: accept drafts while each equals the target's argmax at its position,
     then emit the argmax after the last accepted one (recovered or bonus token).
     targets: argmax p at the k + 1 verified positions. Same rule as tandem_kernels.rejection's greedy rows."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
         accepted += 1
-    return Verified(tokens=[*drafts[:accepted], targets[accepted]], num_accepted=accepted)
+    return ItemResult(tokens=[*drafts[:accepted], targets[accepted]], num_accepted=accepted)
 
 
 def _process_logits(logits: torch.Tensor, items: list[tuple[int, PrefillItem | VerifyItem]]) -> None:
@@ -401,7 +323,7 @@ def _raw_rows(logits: torch.Tensor, items: list[tuple[int, PrefillItem | VerifyI
     return RawRows(rows, top_n) if rows else None
 
 
-def _with_logprobs(results: list[Verified], raw: RawRows | None) -> list[Verified]:
+def _with_logprobs(results: list[ItemResult], raw: RawRows | None) -> list[ItemResult]:
     """The results with each emitted token's log-probability: an item's token j was drawn at its row j.
     Only the emitted rows are scored: a verify's rejected drafts cost nothing."""
     if raw is None:
@@ -418,7 +340,7 @@ def _with_logprobs(results: list[Verified], raw: RawRows | None) -> list[Verifie
             for b, r in enumerate(results)]
 
 
-def _unpack(tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[Verified]:
+def _unpack(tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[ItemResult]:
     """One host sync for the whole batch."""
     rows, counts = tokens.tolist(), num_accepted.tolist()
-    return [Verified(tokens=row[: n + 1], num_accepted=n) for row, n in zip(rows, counts)]
+    return [ItemResult(tokens=row[: n + 1], num_accepted=n) for row, n in zip(rows, counts)]

@@ -9,7 +9,7 @@ head of the queue; re-admitted, it recomputes the KV its new slot lacks in its n
 
 A request's n samples wait, and are admitted, together: their prefill is shared (one forward, the
 prompt's full blocks shared with the other samples' slots). A new sequence's slot may already hold
-the KV of its prompt's first blocks (tandem/prefix_cache.py); before each step, the blocks that the
+the KV of its prompt's first blocks (target_service/prefix_cache.py); before each step, the blocks that the
 last step filled are cached. A sequence is WAITING from submit to admission, RUNNING while it
 holds a KV slot, and FINISHED once its slot is freed. A running sequence whose finish reason is
 set keeps its slot until the step that used it has published its tokens: `release_finished` then
@@ -32,7 +32,7 @@ import grpc
 from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
-from tandem.prefix_cache import PrefixCache
+from target_service.prefix_cache import PrefixCache
 from target_service.sequence import FinishReason, Sequence, SequenceStatus
 from tandem.model.kv_cache import KVCache
 

@@ -1,6 +1,6 @@
 """A request's state while the target serves it: status, tokens, KV slot, usage, output stream.
 
-What the drafter knows of it, and proposed for it, is the Speculator's (drafter_state.py)."""
+What the drafter knows of it, and proposed for it, is the Speculator's (speculation/drafter_state.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +16,6 @@ from tandem.detokenizer import IncrementalDetokenizer
 from tandem.structured import Constraint
 from tandem.structured.grammar import Matcher
 from target_service.stops import StopChecker
-from target_service.tool_calls import ToolChoice
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,6 @@ class RequestOptions:
     logprobs: int | None = None  # the top log-probabilities to return per generated token; None: none
     prompt_logprobs: int | None = None  # the same per prompt token, from the second on
     n: int = 1  # samples of the prompt, each its own sequence, sharing one prefill
-    tool_choice: ToolChoice | None = None  # a chat's answer may call its tools; the front doors read the calls
 
 
 class SequenceStatus(enum.Enum):

@@ -4,7 +4,7 @@ Gateways balance on `vllm:num_requests_waiting`, `vllm:num_requests_running` and
 `vllm:kv_cache_usage_perc` (llm-d's endpoint picker; vLLM's production-stack router reads the
 older `vllm:gpu_cache_usage_perc`); `vllm bench serve` reads the `vllm:spec_decode_*` counters,
 and vLLM's dashboards the latency histograms and token counters. Each is a mirror of a tandem_*
-metric, renamed when scraped, so that the step loop counts once. docs/design.md (Metrics) says
+metric, renamed when scraped, so that the step loop counts once. docs/design/metrics.md says
 which vLLM metrics are not mirrored and why.
 """
 from __future__ import annotations

@@ -5,11 +5,11 @@ import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
+from training.config import DistillConfig
 from training.eagle import EagleHeldOut, EagleStudent, evaluate_eagle, teacher_features, train_eagle
 from training.teacher import TeacherSequence
 from training.train import TrainOptions, split_held_out
@@ -19,9 +19,6 @@ from tandem.loaders.eagle3 import save_eagle3
 from tandem.model.eagle3 import default_feature_layers
 from tandem.model.llama import ModelWeights, build_model
 from tandem.model.rope import rope_inv_freq
-
-if TYPE_CHECKING:
-    from training.__main__ import DistillConfig
 
 log = logging.getLogger("training")
 

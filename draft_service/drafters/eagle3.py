@@ -14,8 +14,7 @@ import sys
 
 import torch
 
-from draft_service.drafter import DraftJob
-from draft_service.drafters.kv_slots import common_prefix_len
+from draft_service.drafter import DraftJob, common_prefix_len
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter, Row
 from tandem.hidden_states import FeatureLayout

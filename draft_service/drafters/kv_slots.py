@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draft_service.drafter import SeqKey
+from draft_service.drafter import SeqKey, common_prefix_len
 from tandem.model.kv_cache import CacheFullError, KVCache
 from draft_service.drafters.slot_prefix_cache import SlotPrefixCache
 
@@ -43,15 +43,6 @@ class SlotState:
 class SequenceSlots:
     own: SlotState
     scratch: list[SlotState] = field(default_factory=list)
-
-
-def common_prefix_len(a: list[int], b: list[int], likely: int = 0) -> int:
-    """Length of the common prefix; `likely`, a length they probably share, is checked first at C speed."""
-    n = min(len(a), len(b))
-    i = likely if likely <= n and a[:likely] == b[:likely] else 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class SlotTable:

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.drafter import DraftJob, Guess, Proposal, SeqKey, make_proposal, never
-from draft_service.drafters.kv_slots import SlotState, SlotTable, common_prefix_len
+from draft_service.drafter import DraftJob, Drafted, Guess, SeqKey, common_prefix_len, make_drafted, never
+from draft_service.drafters.kv_slots import SlotState, SlotTable
 from draft_service.metrics import DraftMetrics
 from tandem_kernels.bitmask import allowed_tokens
 from tandem_kernels.compression import CompressedProbs, encode, point_mass, sample_compressed
@@ -120,7 +120,7 @@ def noise_seed(seed: int, prefix: list[int]) -> int:
     prefixes independent where their positions overlap, as the pre-drafts of a verification's
     outcomes and the proposal under verification do. Which pre-drafts exist depends on the other
     proposals' drafts (through the outcomes' gains); with noise keyed by position alone, it would
-    depend on the pre-draft's own noise (docs/design.md, The speculation cache: Lossless).
+    depend on the pre-draft's own noise (docs/design/speculation-cache.md, Lossless).
     """
     x = (seed ^ (hash(tuple(prefix)) * _GOLDEN64)) & _MASK64  # splitmix64's finalizer
     x = ((x ^ (x >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
@@ -213,9 +213,9 @@ class Row:
         if self.grammar is not None and (not self.grammar.consume_token(token) or self.grammar.is_stopped()):
             self.blocked = True
 
-    def draft(self) -> Proposal:
+    def draft(self) -> Drafted:
         q_prime = stack_rows(self.q_rows) if self.q_rows else None
-        return make_proposal(self.job, self.token_ids, q_prime, self.recovered_guesses, self.guessed_next)
+        return make_drafted(self.job, self.token_ids, q_prime, self.recovered_guesses, self.guessed_next)
 
 
 class ModelDrafter:
@@ -262,7 +262,7 @@ class ModelDrafter:
         return min(job.sequence.k, self.model.max_len + 1 - job.base_len)
 
     @torch.inference_mode()
-    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Proposal]:
+    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Drafted]:
         rows = self._rows(jobs)
         ends = self._catch_up_ends(rows)
         behind = [row.job.sequence.key for row, end in zip(rows, ends) if end < len(row.job.tokens)]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from draft_service.drafter import DraftJob, Proposal, SeqKey, make_proposal, never
+from draft_service.drafter import DraftJob, Drafted, SeqKey, make_drafted, never
 from tandem_kernels.compression import point_mass
 
 
@@ -62,7 +62,7 @@ class NgramDrafter:
     def behind(self) -> list[SeqKey]:
         return []
 
-    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Proposal]:
+    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Drafted]:
         """Lookups are instant: `stop` is never needed."""
         drafts = []
         for job in jobs:
@@ -77,7 +77,7 @@ class NgramDrafter:
                 continue  # "nothing" answers a prefix the target has sent, never an assumed one
             # An empty proposal tells the target there is nothing for this prefix, so it need not wait.
             q_prime = point_mass(token_ids) if token_ids and job.sequence.sampling.needs_draft_probs else None
-            drafts.append(make_proposal(job, token_ids, q_prime, guessed_next=guess[0] if guess else None))
+            drafts.append(make_drafted(job, token_ids, q_prime, guessed_next=guess[0] if guess else None))
         return drafts
 
 

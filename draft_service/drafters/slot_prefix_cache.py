@@ -1,7 +1,7 @@
 """The model drafter's prefix cache, over KV slots: a freed slot keeps its KV for the next sequence
 that starts with the same tokens. The drafter's slot table (kv_slots.py) allocates through it.
 
-Unlike the target's cache of shared blocks (tandem/prefix_cache.py), a kept slot's KV moves whole
+Unlike the target's cache of shared blocks (target_service/prefix_cache.py), a kept slot's KV moves whole
 to its next owner: the drafter rolls back and rewrites positions of its slots, so no block of it
 could be shared.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from draft_service.drafter import DraftJob, Proposal, SeqKey, make_proposal, never
+from draft_service.drafter import DraftJob, Drafted, SeqKey, make_drafted, never
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.suffix_index import NO_DRAFT, SuffixDraft, SuffixIndex, SuffixParams, speculate
 from tandem_kernels.compression import point_mass
@@ -87,7 +87,7 @@ class SuffixDrafter:
         found += self.shared.occurrences(job.tokens, self.params, k + 1)
         return speculate(found, k, self.params)
 
-    def to_draft(self, job: DraftJob, suffix: SuffixDraft) -> Proposal | None:
+    def to_draft(self, job: DraftJob, suffix: SuffixDraft) -> Drafted | None:
         """The job's proposal from its suffix draft, or None when there is nothing to send.
 
         For a guess_next job (the outcome "all drafts accepted") the suffix draft's first token is
@@ -102,9 +102,9 @@ class SuffixDrafter:
             if job.is_predraft and not tokens:
                 return None  # "nothing" answers a prefix the target has sent, never an assumed one
         q_prime = point_mass(tokens) if tokens and job.sequence.sampling.needs_draft_probs else None
-        return make_proposal(job, tokens, q_prime, guessed_next=guess)
+        return make_drafted(job, tokens, q_prime, guessed_next=guess)
 
-    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Proposal]:
+    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Drafted]:
         """Lookups take microseconds: `stop` is never needed."""
         drafts = [self.to_draft(job, self.propose(job, job.sequence.k + job.guess_next))
                   for job in jobs if not job.sequence.closed]
@@ -141,7 +141,7 @@ class SuffixFrontDrafter:
     def behind(self) -> list[SeqKey]:
         return self.model.behind()
 
-    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Proposal]:
+    def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Drafted]:
         drafts, for_model = [], []
         for job in jobs:
             if job.sequence.closed:

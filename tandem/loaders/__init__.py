@@ -5,15 +5,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem.config import ModelConfig
+from tandem.loaders.errors import CheckpointError
 
 if TYPE_CHECKING:  # the loaders import torch; the tokenizer reads GGUF headers without it
     from tandem.model.llama import ModelWeights
 
 __all__ = ["CheckpointError", "load_checkpoint"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing files or tensors, or does not fit its config."""
 
 
 def load_checkpoint(path: Path) -> tuple[ModelConfig, ModelWeights]:

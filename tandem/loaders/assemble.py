@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from tandem.config import ModelConfig
-from tandem.loaders import CheckpointError
+from tandem.loaders.errors import CheckpointError
 from tandem.model.llama import LayerWeights, ModelWeights
 
 

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tandem.config import ModelConfig
-from tandem.loaders import CheckpointError
+from tandem.loaders.errors import CheckpointError
 from tandem.model.llama import LayerWeights, ModelWeights
 
 FORMAT = "tandem-drafter/1"

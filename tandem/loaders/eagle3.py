@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tandem.config import ModelConfig
-from tandem.loaders import CheckpointError
+from tandem.loaders.errors import CheckpointError
 from tandem.loaders.hf import tensor_files
 from tandem.model.eagle3 import Eagle3Config, Eagle3Weights, default_feature_layers
 from tandem.model.llama import ModelWeights

@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tandem.config import ModelConfig, UnsupportedModelError
-from tandem.loaders import CheckpointError
+from tandem.loaders.errors import CheckpointError
 from tandem.loaders.assemble import assemble_weights
 from tandem.loaders.gguf_dequant import dequantize
 from tandem.loaders.gguf_reader import GGUFFile, GGUFTensorInfo

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 
-from tandem.loaders import CheckpointError
+from tandem.loaders.errors import CheckpointError
 
 _SUPPORTED_VERSIONS = (2, 3)
 _SCALAR_FORMATS = {

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.config import ModelConfig
-from tandem.loaders import CheckpointError
+from tandem.loaders.errors import CheckpointError
 from tandem.loaders.assemble import assemble_weights
 from tandem.model.llama import ModelWeights
 

@@ -2,7 +2,7 @@
 
 A block is held by every slot whose block table lists it (a reference count); it is free when none
 does. A full block of a prompt can be cached under the chained hash of its tokens
-(tandem/prefix_cache.py); it then stays cached while free, and a later slot that finds its hash
+(target_service/prefix_cache.py); it then stays cached while free, and a later slot that finds its hash
 holds it again instead of recomputing its KV. Two slots that computed the same prefix in one step
 cache two blocks under one hash, as vLLM does: a later slot finds the first, and the hash stays
 cached until the last of them is evicted. Taking a block for new KV takes the free blocks that

@@ -3,7 +3,7 @@
 llguidance rather than xgrammar: both mask a token in well under 1% of a decode step here, but
 llguidance compiled our bench schemas 8 times faster (compiling is on the request's path),
 computes a verify step's k + 1 masks in one call, and has no dependencies, where xgrammar brings
-transformers, triton and a TVM runtime. The figures are in docs/design.md, Structured output.
+transformers, triton and a TVM runtime. The figures are in docs/design/lossless.md, Structured output.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.load import Arrivals, run_http_load, run_load
+from bench.http_client import run_http_load
+from bench.load import Arrivals, run_load
 from bench.prompt_set import load_prompts
 from tandem.registry import DEFAULT_MODEL
 

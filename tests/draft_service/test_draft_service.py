@@ -18,7 +18,7 @@ import torch
 from draft_service.drafters.model import noise_seed
 from tandem_kernels.compression import DEFAULT_TOP_K, ONE, sample_compressed, unpack, wire_bytes_per_token
 from tests.support.service_fixtures import metric, scrape
-from tandem.generate import greedy_generate
+from bench.greedy import greedy_generate
 from tandem.launch import ServiceProcess
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel, build_model

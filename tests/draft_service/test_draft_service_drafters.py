@@ -14,7 +14,7 @@ from draft_service.server import model_vocab_size
 from tandem_kernels.compression import ONE, encode, sample_compressed, unpack
 from tandem_kernels.logits_processors import process_logits
 from tandem_kernels.sampling import Sampling, processed_probs, sample
-from tandem.generate import greedy_generate
+from bench.greedy import greedy_generate
 from tandem.model.batch import SequenceChunk
 from tandem.runtime import load_tokenizer
 from tests.support.tiny_drafter import MAX_LEN, VOCAB, tiny_draft_model

@@ -11,7 +11,7 @@ from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.scheduler import Limits
-from tandem.generate import greedy_generate
+from bench.greedy import greedy_generate
 from tandem.v1 import drafter_pb2 as pb
 from tests.support.draft_schedulers import running_scheduler
 from tests.support.tiny_drafter import MAX_LEN, VOCAB, tiny_draft_model

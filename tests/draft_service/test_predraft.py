@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from draft_service.drafter import DraftJob, DraftSequence, Guess, Proposal, make_proposal, never
+from draft_service.drafter import DraftJob, DraftSequence, Guess, Drafted, make_drafted, never
 from tandem_kernels.sampling import Sampling
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter, noise_seed
@@ -19,7 +19,7 @@ from draft_service.drafters.ngram import NgramDrafter, lookup
 from draft_service.predraft import Fanout, Predrafter
 from draft_service.scheduler import Limits
 from tandem_kernels.compression import sample_compressed, unpack
-from tandem.generate import greedy_generate
+from bench.greedy import greedy_generate
 from tandem.protos import MAX_HELD_PROPOSALS
 from tandem.model.batch import SequenceChunk
 from tandem.v1 import drafter_pb2 as pb
@@ -53,12 +53,12 @@ def _certain(tokens: list[int]) -> list[list[Guess]]:
     return [[Guess(token, 1.0)] for token in tokens]
 
 
-def _fresh(drafter, sequence: DraftSequence, tokens: list[int]) -> Proposal:
+def _fresh(drafter, sequence: DraftSequence, tokens: list[int]) -> Drafted:
     [draft] = drafter.draft([DraftJob(sequence, list(tokens))])
     return draft
 
 
-def _all_outcomes(sequence: DraftSequence, fresh: Proposal) -> list[DraftJob]:
+def _all_outcomes(sequence: DraftSequence, fresh: Drafted) -> list[DraftJob]:
     """A pre-draft job for every outcome of `fresh`: j drafts accepted, then the recovered token the drafter
     guessed (j < k); all k accepted, then a bonus token the drafter guesses as it drafts."""
     prefix, drafts = list(sequence.tokens), fresh.token_ids
@@ -86,7 +86,7 @@ def test_assumed_ids_round_trip_and_proposals_without_them_parse_as_before():
     plain = pb.DraftProposal.FromString(pb.DraftProposal(seq_id=3, base_len=10, token_ids=[7]).SerializeToString())
     assert list(plain.assumed_ids) == []
     assert pb.SequenceOpen.FromString(pb.SequenceOpen(seq_id=1, k=2).SerializeToString()).accepts_assumed is False
-    draft = Proposal((1, 3), base_len=12, token_ids=[7, 8], assumed_ids=[5, 6], recovered_guesses=_certain([9, 9]))
+    draft = Drafted((1, 3), base_len=12, token_ids=[7, 8], assumed_ids=[5, 6], recovered_guesses=_certain([9, 9]))
     assert draft.to_proto() == proposal  # the recovered guesses stay with the drafter
 
 
@@ -252,7 +252,7 @@ def _predrafter_with_a_proposal(drafts: list[int], guesses: list[int], max_fanou
     sequence = DraftSequence((1, 1), [1, 2, 3], Sampling(), len(drafts), accepts_assumed=True)
     predrafter.open(sequence)
     job = DraftJob(sequence, list(sequence.tokens))
-    predrafter.on_drafted(job, Proposal(sequence.key, 3, drafts, recovered_guesses=_certain(guesses)))
+    predrafter.on_drafted(job, Drafted(sequence.key, 3, drafts, recovered_guesses=_certain(guesses)))
     return predrafter, sequence, metrics
 
 
@@ -280,9 +280,9 @@ def test_spare_time_after_a_predraft_round_grows_the_fanout(extend_after_s, limi
     predrafter.covers(sequence)
     predrafter.fanout.on_late()  # 2 -> 1
     predrafter.on_drafted(DraftJob(sequence, list(sequence.tokens)),
-                          Proposal(sequence.key, 4, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
+                          Drafted(sequence.key, 4, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
     [job] = predrafter.take_jobs()
-    sent = predrafter.on_predrafted([Proposal(sequence.key, 5, [1, 2, 3], assumed_ids=job.tokens[4:], job=job)],
+    sent = predrafter.on_predrafted([Drafted(sequence.key, 5, [1, 2, 3], assumed_ids=job.tokens[4:], job=job)],
                                     now=1.0, round_s=0.01)
     assert len(sent) == 1
     _extend(predrafter, sequence, [7, 8, 9, 41], now=1.0 + extend_after_s)  # a round of 10 ms: one more fits?
@@ -301,18 +301,18 @@ def test_outcomes_are_ordered_by_expected_gain_from_the_measured_acceptance():
         _extend(predrafter, sequence, [7, 8, 9, 5], now=1.0)
         sequence.tokens = proposal_tokens  # the same prefix again, so the same proposal is the current one
         predrafter.on_drafted(DraftJob(sequence, list(sequence.tokens)),
-                              Proposal(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
+                              Drafted(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
         predrafter.take_jobs()
     assert predrafter.model.acceptance.value > 0.9
     predrafter.on_drafted(DraftJob(sequence, list(sequence.tokens)),
-                          Proposal(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
+                          Drafted(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
     first = predrafter.take_jobs()[0]
     assert (first.tokens[3:], first.guess_next) == ([7, 8, 9], True)  # all accepted is now the likeliest
 
 
-def _deliver(predrafter: Predrafter, jobs: list[DraftJob], drafts: list[int], guesses: list[int]) -> list[Proposal]:
+def _deliver(predrafter: Predrafter, jobs: list[DraftJob], drafts: list[int], guesses: list[int]) -> list[Drafted]:
     """Each job drafted as `drafts` with `guesses` at the recovered tokens (a bonus outcome guesses 5)."""
-    proposals = [make_proposal(job, drafts, None, _certain(guesses), guessed_next=5 if job.guess_next else None)
+    proposals = [make_drafted(job, drafts, None, _certain(guesses), guessed_next=5 if job.guess_next else None)
                  for job in jobs]
     return predrafter.on_predrafted(proposals, now=1.0, round_s=0.01)
 
@@ -354,7 +354,7 @@ def test_a_hit_drafts_the_outcomes_its_proposal_still_lacks_and_none_twice():
     sequence = DraftSequence((1, 1), [1, 2, 3], Sampling(), 3, accepts_assumed=True)
     predrafter.open(sequence)
     predrafter.on_drafted(DraftJob(sequence, [1, 2, 3]),
-                          Proposal(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
+                          Drafted(sequence.key, 3, [7, 8, 9], recovered_guesses=_certain([17, 18, 19])))
     [first] = predrafter.take_jobs()
     _deliver(predrafter, [first], [30, 31, 32], [40, 41, 42])
     [second] = predrafter.take_jobs()

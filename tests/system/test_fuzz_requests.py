@@ -143,7 +143,7 @@ def pair(tmp_path_factory):
 def test_undecodable_bytes_are_invalid_argument_not_internal():
     """Bad UTF-8 in a string field made grpc.aio answer UNKNOWN (an uncaught DecodeError), before validation."""
     from target_service.errors import RequestError
-    from target_service.validation import decode_request
+    from target_service.front_doors.validation import decode_request
 
     error = decode_request(generation_pb2.GenerateRequest(request_id="r").SerializeToString()
                            + _raw(RAW_SLOTS["prompt"], b"\xff\xfe"))

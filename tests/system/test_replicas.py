@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape, service_process
 from target_service.config import TargetConfig
-from target_service.drafter_addresses import Candidate, DrafterAddresses, Endpoint
+from target_service.speculation.addresses import Candidate, DrafterAddresses, HostPort
 from tandem.launch import ServiceProcess
 
 COMMON = ["--threads", "1", "--max-model-len", "512"]
@@ -22,10 +22,10 @@ FAILOVER_TOKENS = 32  # 4.8 s at 150 ms a step: the drafter dies 0.5 s in, mid-g
 
 
 @pytest.mark.parametrize("spec, endpoints, dns", [
-    ("127.0.0.1:50052", [Endpoint("127.0.0.1", 50052)], False),
-    ("a:1, b:2", [Endpoint("a", 1), Endpoint("b", 2)], False),
-    ("[::1]:7,draft-0.draft:50052", [Endpoint("::1", 7), Endpoint("draft-0.draft", 50052)], False),
-    ("dns:///draft.tandem.svc:50052", [Endpoint("draft.tandem.svc", 50052)], True),
+    ("127.0.0.1:50052", [HostPort("127.0.0.1", 50052)], False),
+    ("a:1, b:2", [HostPort("a", 1), HostPort("b", 2)], False),
+    ("[::1]:7,draft-0.draft:50052", [HostPort("::1", 7), HostPort("draft-0.draft", 50052)], False),
+    ("dns:///draft.tandem.svc:50052", [HostPort("draft.tandem.svc", 50052)], True),
 ])
 def test_drafter_specs(spec, endpoints, dns):
     parsed = DrafterAddresses.parse(spec)

@@ -239,7 +239,7 @@ async def test_a_drafter_that_reads_no_features_refuses_them_but_keeps_the_token
     (dict(hidden_layers=[1, 0]), "distinct, ascending"),
 ])
 def test_the_target_refuses_a_drafter_whose_features_it_cannot_send(change, message):
-    from target_service.drafter_link import DrafterLink, IncompatibleDrafter
+    from target_service.speculation.link import DrafterLink, IncompatibleDrafter
 
     link = DrafterLink("127.0.0.1:1", peer=None, metrics=None, vocab_size=256, tokenizer_fingerprint="f",
                        reconnect_max_seconds=1.0, max_message_bytes=1 << 20, num_layers=2, hidden_size=64)

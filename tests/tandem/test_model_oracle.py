@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.generate import greedy_generate
+from bench.greedy import greedy_generate
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import build_model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.prompt_set import load_json_prompts
-from draft_service.drafter import DraftJob, DraftSequence, Proposal, make_proposal
+from draft_service.drafter import DraftJob, DraftSequence, Drafted, make_drafted
 from tandem_kernels.sampling import Sampling
 from draft_service.grammars import DraftGrammars, SequenceGrammar, cut
 from draft_service.metrics import DraftMetrics
@@ -222,7 +222,7 @@ def test_a_grammar_that_may_go_on_does_not_end_the_sequence(compiler, tokenizer)
 def test_a_cut_draft_sends_the_first_rows_of_its_q_prime():
     q = torch.softmax(torch.randn(5, 300, generator=torch.Generator().manual_seed(1)), dim=1)
     compressed = encode(q, 8)
-    draft = Proposal((1, 1), 3, [int(t) for t in compressed.ids[:, 0]], compressed, recovered_guesses=[[]] * 5)
+    draft = Drafted((1, 1), 3, [int(t) for t in compressed.ids[:, 0]], compressed, recovered_guesses=[[]] * 5)
     cut(draft, 2)
     message = draft.to_proto()
     assert len(message.token_ids) == 2 and message.probs_top_k == 8
@@ -244,7 +244,7 @@ def test_lookup_drafts_are_cut_at_the_first_forbidden_token(compiler, tokenizer)
     job = DraftJob(sequence, list(prompt))
     q = torch.zeros(len(digits) + len(letters), VOCAB)
     q[torch.arange(q.shape[0]), torch.tensor(digits + letters)] = 1.0
-    draft = make_proposal(job, digits + letters, encode(q, 4))
+    draft = make_drafted(job, digits + letters, encode(q, 4))
     [kept] = DraftGrammars.constrain([draft], {sequence.key: sequence})
     assert kept.token_ids == digits
     assert unpack(kept.to_proto().probs, len(digits), 4, VOCAB).ids[:, 0].tolist() == digits
@@ -255,7 +255,7 @@ def test_a_constrained_pre_draft_that_assumes_a_forbidden_token_is_dropped(compi
     sequence = _constrained(compiler, (1, 2), prompt, Constraint("regex", "[0-9]+"))
     letter = tokenizer.encode("x", add_special_tokens=False)
     digit = tokenizer.encode("5", add_special_tokens=False)
-    predraft = make_proposal(DraftJob(sequence, prompt + letter, num_assumed=1), digit, None)
+    predraft = make_drafted(DraftJob(sequence, prompt + letter, num_assumed=1), digit, None)
     assert DraftGrammars.constrain([predraft], {sequence.key: sequence}) == []
 
 
@@ -377,7 +377,7 @@ def test_lookup_drafts_are_extended_with_the_tokens_the_grammar_forces(compiler,
     sequence = _constrained(compiler, (5, 1), prompt, Constraint("json", json.dumps(PERSON), compact=True),
                             sampling)
     sequence.k = 8
-    [draft] = DraftGrammars.constrain([make_proposal(DraftJob(sequence, list(prompt)), [], None)],
+    [draft] = DraftGrammars.constrain([make_drafted(DraftJob(sequence, list(prompt)), [], None)],
                                       {sequence.key: sequence})
     text = tokenizer.decode(draft.token_ids)
     assert text.startswith('{"name') and '{"name":"'.startswith(text)

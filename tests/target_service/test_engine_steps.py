@@ -19,11 +19,11 @@ from target_service.config import TargetConfig
 from target_service.engine import Engine
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
+from target_service.step_items import ItemResult, PrefillItem, PromptPart, VerifyItem
 from target_service.scheduler import Scheduler
-from target_service.speculation import speculation_policy
-from target_service.speculator import Speculator
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence, SequenceStatus
-from target_service.model_runner import PrefillItem, PromptPart, Verified, VerifyItem
+from target_service.speculation.policy import speculation_policy
+from target_service.speculation.speculator import Speculator
 from tandem.model.kv_cache import KVCache
 from tandem.model.random_weights import SHAPES
 from tandem.v1 import drafter_pb2
@@ -71,26 +71,26 @@ class ScriptedRunner:
         self.prompts: dict[int, tuple[int, ...]] = {}  # slot -> the prompt last prefilled into it
 
     def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = (),
-                parts: list[PromptPart] = ()) -> list[Verified]:
+                parts: list[PromptPart] = ()) -> list[ItemResult]:
         self.events.append("prefill")
         self.prefilled.append(items)
         self.parts.append(list(parts))
         self.prompts.update((item.slot, tuple(item.prompt_ids)) for item in items)
-        return [Verified([CONTINUATIONS[tuple(item.prompt_ids)][0]], 0, prompt_logprobs=_scored(item))
-                for item in items] + [Verified([], 0, prompt_logprobs=_scored(part)) for part in parts]
+        return [ItemResult([CONTINUATIONS[tuple(item.prompt_ids)][0]], 0, prompt_logprobs=_scored(item))
+                for item in items] + [ItemResult([], 0, prompt_logprobs=_scored(part)) for part in parts]
 
-    def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[Verified]:
+    def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[ItemResult]:
         self.verified.append(items)
         return [self._verify(item) for item in items]
 
-    def _verify(self, item: VerifyItem) -> Verified:
+    def _verify(self, item: VerifyItem) -> ItemResult:
         if item.replay:  # readmitted after a preemption, into any slot
             self.prompts[item.slot] = self.prompt_of(item.slot)
         prompt = self.prompts[item.slot]
         ahead = CONTINUATIONS[prompt][item.length - len(prompt):]
         drafts = item.drafts.tokens if item.drafts else ()
         accepted = next((j for j, (d, t) in enumerate(zip(drafts, ahead)) if d != t), len(drafts))
-        return Verified(tokens=list(ahead[: accepted + 1]), num_accepted=accepted)
+        return ItemResult(tokens=list(ahead[: accepted + 1]), num_accepted=accepted)
 
 
 @dataclass

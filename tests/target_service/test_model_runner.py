@@ -8,11 +8,10 @@ from tandem_kernels.compression import encode, no_probs
 from tandem_kernels.ragged import VerifyBatch
 from tandem_kernels.rejection import rejection_sample_reference
 from tandem_kernels.sampling import Sampling
-from target_service.drafts import UsableDrafts
 from tandem_kernels.logits_processors import LogitsContext
-from target_service.model_runner import (ModelRunner, PrefillItem, PromptPart, Verified, VerifyItem, _process_logits,
-                                         verify_greedy)
-from tandem.generate import greedy_generate
+from target_service.model_runner import ModelRunner, _process_logits, verify_greedy
+from target_service.step_items import Drafts, ItemResult, PrefillItem, PromptPart, VerifyItem
+from bench.greedy import greedy_generate
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import build_model
 from tandem.model.random_weights import SHAPES, random_weights
@@ -69,8 +68,8 @@ def test_greedy_and_sampled_rows_in_one_step_equal_each_alone(runner):
     continuation = greedy_generate(model, prompt + [20], 3, slot=3)  # the target's own next 3 tokens
     q = torch.softmax(torch.randn(2, 256, generator=torch.Generator().manual_seed(3)), dim=1)
     items = [
-        VerifyItem(0, len(prompt) + 1, 20, UsableDrafts(tuple(continuation[:2]), None, False), _options(0.0)),
-        VerifyItem(1, len(prompt) + 1, 20, UsableDrafts((21, 5), encode(q, 8), False), _options(0.9)),
+        VerifyItem(0, len(prompt) + 1, 20, Drafts(tuple(continuation[:2]), None, False), _options(0.0)),
+        VerifyItem(1, len(prompt) + 1, 20, Drafts((21, 5), encode(q, 8), False), _options(0.9)),
         VerifyItem(2, len(prompt) + 1, 20, None, _options(0.0)),
     ]
     together = runner.verify(items)
@@ -96,7 +95,7 @@ def test_a_banned_draft_is_rejected_and_its_position_emits_another_token(runner)
     prompt = list(range(3, 15))
     model.run([SequenceChunk(0, 0, prompt)])
     continuation = greedy_generate(model, prompt + [20], 3, slot=1)
-    drafts = UsableDrafts(tuple(continuation[:2]), None, False)
+    drafts = Drafts(tuple(continuation[:2]), None, False)
 
     def verify(ban: LogitsContext | None):
         [result] = runner.verify([VerifyItem(0, len(prompt) + 1, 20, drafts, _options(0.0), logits_context=ban)])
@@ -141,7 +140,7 @@ def test_penalized_drafts_verify_to_the_tokens_the_target_alone_decodes(runner, 
     assert alone != _decode_alone(runner, prompt, Sampling(temperature=sampling.temperature, seed=sampling.seed), 5)
     runner.prefill([PrefillItem(0, prompt, sampling, logits_context=LogitsContext(tuple(prompt), len(prompt)))])
     committed = prompt + alone[:1]
-    drafts = UsableDrafts(tuple(alone[1:4]), None, False)
+    drafts = Drafts(tuple(alone[1:4]), None, False)
     context = LogitsContext(tuple(committed), len(prompt), drafts.tokens)
     [result] = runner.verify([VerifyItem(0, len(committed), committed[-1], drafts, sampling, logits_context=context)])
     assert result.tokens == alone[1:5] and result.num_accepted == 3
@@ -172,7 +171,7 @@ def test_logprobs_of_verified_tokens_are_the_target_alones_bit_for_bit(runner):
     tokens = [lp.token for lp in alone]
     runner.prefill([PrefillItem(0, prompt, sampling)])
     committed = prompt + tokens[:1]
-    drafts = UsableDrafts(tuple(tokens[1:4]), None, False)
+    drafts = Drafts(tuple(tokens[1:4]), None, False)
     context = LogitsContext(tuple(committed), len(prompt), drafts.tokens)
     [result] = runner.verify([VerifyItem(0, len(committed), committed[-1], drafts, sampling, logits_context=context,
                                          logprobs=3)])
@@ -268,7 +267,7 @@ def test_a_prompt_prefilled_in_chunks_beside_other_prompts_gives_the_whole_prefi
     for start, end, other in ((0, 16, others[0]), (16, 30, others[1])):
         result, chunk = runner.prefill([PrefillItem(2, other, greedy, logprobs=2)],
                                        parts=[PromptPart(slot=0, prompt_ids=prompt, start=start, end=end)])
-        assert chunk == Verified([], 0), "a chunk samples nothing"
+        assert chunk == ItemResult([], 0), "a chunk samples nothing"
         beside.append(result)
     assert [r.tokens for r in beside] == [r.tokens for r in alone]
     _assert_same_logprobs(runner, [lp for r in beside for lp in r.logprobs], [lp for r in alone for lp in r.logprobs])
@@ -277,7 +276,7 @@ def test_a_prompt_prefilled_in_chunks_beside_other_prompts_gives_the_whole_prefi
     assert chunked_tokens == whole_tokens
     _assert_same_logprobs(runner, chunked_logprobs, whole_logprobs)
     # A call of chunks alone writes their KV; one beside a prompt's logprobs leaves those as they are alone.
-    assert runner.prefill([], parts=[PromptPart(slot=3, prompt_ids=prompt, start=0, end=8)]) == [Verified([], 0)]
+    assert runner.prefill([], parts=[PromptPart(slot=3, prompt_ids=prompt, start=0, end=8)]) == [ItemResult([], 0)]
     assert _finish_prefill_and_decode(runner, 3, prompt, cached=8, steps=3)[0] == whole_tokens
     scored = [runner.prefill([PrefillItem(2, others[1], greedy, prompt_logprobs=2)], parts=parts)[0].prompt_logprobs
               for parts in ([], [PromptPart(slot=3, prompt_ids=prompt, start=0, end=16)])]

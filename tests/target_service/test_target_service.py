@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.service_fixtures import PROMPTS, call_error, greedy_request, metric, run_requests, scrape, timed_responses
-from tandem.generate import greedy_generate
+from bench.greedy import greedy_generate
 from tandem.launch import ServiceProcess
 from tandem.model.llama import build_model
 from tandem.runtime import load_tokenizer

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.__main__ import DistillConfig, run
+from training.__main__ import run
+from training.config import DistillConfig
 from training.student import Student
 from training.train import draft_vocabulary, split_held_out
 from training.teacher import TeacherSequence, load_teacher_data

@@ -1,0 +1,194 @@
+"""The speed guard on scripted steps with a fake clock: what each step takes and makes is given, so
+every decision follows from measured rates, never from this machine's speed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from target_service.config import TargetConfig
+from target_service.speculation.policy import SpeculationPolicy
+from target_service.speculation.speed_guard import (
+    EXPLORE_PERIOD, MAX_PERIOD_FACTOR, SHORT_TRIAL_BELOW, SHORT_TRIAL_STEPS, TRIAL_STEPS, WINDOW_STEPS, GuardRecord,
+    SpeedGuard, StepResult,
+)
+
+DECODE = 0.020  # seconds of a step in which no sequence speculates
+
+
+@dataclass
+class Behaviour:
+    """What a sequence does when it speculates: tokens per step, and the seconds it adds to the step."""
+
+    tokens: int
+    extra: float
+
+
+@dataclass
+class Trace:
+    allowed: list[list[bool]]
+    wanted: list[list[bool]]
+
+
+def run(guard: SpeedGuard, records: list[GuardRecord], behaviours: list[Behaviour], steps: int,
+        lead: int = 1) -> Trace:
+    """Each step: the guard says who may speculate; those make their tokens and add their time."""
+    trace = Trace([], [])
+    for _ in range(steps):
+        allowed = guard.allowed(records)
+        tokens = [b.tokens if ok else 1 for b, ok in zip(behaviours, allowed)]
+        seconds = DECODE + sum(b.extra for b, ok in zip(behaviours, allowed) if ok)
+        guard.observe(StepResult(records, allowed, tokens, seconds))
+        trace.allowed.append(allowed)
+        trace.wanted.append(guard.wanted(records, [4] * len(records), lead))
+    return trace
+
+
+LOSES = Behaviour(tokens=1, extra=0.004)  # drafts rarely accepted, and the drafter slows the step
+PAYS = Behaviour(tokens=2, extra=0.008)  # a copying request: two tokens a step for 1.4 steps' time
+
+
+def test_a_sequence_whose_speculation_loses_is_held_off_and_stays_off():
+    guard = SpeedGuard()
+    record = GuardRecord()
+    trace = run(guard, [record], [LOSES], 4 * EXPLORE_PERIOD)
+    assert record.held_off and not record.trial
+    last = [ok for [ok] in trace.allowed[-EXPLORE_PERIOD:]]
+    # Off but for the exploring windows: at most one window's worth of speculating steps per period.
+    assert sum(last) <= WINDOW_STEPS
+    assert guard.figures.holds == 1 and guard.figures.releases == 0
+    assert guard.speedup is not None and guard.speedup < 1
+    assert guard.figures.lost > guard.figures.gained
+
+
+def test_a_sequence_whose_speculation_pays_keeps_it_but_for_off_windows():
+    guard = SpeedGuard()
+    record = GuardRecord()
+    longest = EXPLORE_PERIOD * MAX_PERIOD_FACTOR
+    trace = run(guard, [record], [PAYS], 6 * longest)
+    assert not record.held_off
+    assert guard.speedup is not None and guard.speedup > 1.3
+    # The windows grow rarer as the speed-up is clearly above 1, down to one per EXPLORE_PERIOD * MAX_PERIOD_FACTOR.
+    last = [ok for [ok] in trace.allowed[-2 * longest:]]
+    assert sum(not ok for ok in last) == 2 * WINDOW_STEPS
+
+
+def test_an_on_window_lets_a_held_sequence_speculate_again_once_it_pays():
+    guard = SpeedGuard()
+    record = GuardRecord()
+    run(guard, [record], [LOSES], 3 * EXPLORE_PERIOD)
+    assert record.held_off
+    # The same request now copies its prompt: the next on windows measure that.
+    run(guard, [record], [PAYS], 2 * EXPLORE_PERIOD * MAX_PERIOD_FACTOR)
+    assert not record.held_off
+    assert guard.figures.releases >= 1
+
+
+def test_drafts_are_asked_for_the_lead_before_an_on_window():
+    guard = SpeedGuard()
+    record = GuardRecord()
+    lead = 3
+    trace = run(guard, [record], [LOSES], 3 * EXPLORE_PERIOD * MAX_PERIOD_FACTOR, lead=lead)
+    allowed = [ok for [ok] in trace.allowed]
+    wanted = [ok for [ok] in trace.wanted]
+    late = range(2 * EXPLORE_PERIOD, len(allowed))
+    starts = [i for i in late if allowed[i] and not allowed[i - 1]]
+    assert starts, "no on window after the sequence was held off"
+    for start in starts:
+        # wanted[i] is asked after step i, for the steps after it: from `lead` steps before the window.
+        assert all(wanted[start - 1 - ahead] for ahead in range(lead))
+        assert not wanted[start - 1 - lead - 1]
+
+
+def test_no_step_right_after_a_change_of_mode_is_measured():
+    """A step whose drafts were asked for a step earlier is not yet what speculating costs."""
+    guard = SpeedGuard()
+    record = GuardRecord()
+    for on, seconds in ((True, 0.5), (False, 0.9), (True, 0.7), (True, 0.03), (True, 0.03), (True, 0.03)):
+        guard.observe(StepResult([record], [on], [2 if on else 1], seconds))
+    assert guard.cost_ratio(1) is None  # no settled off step yet
+    assert record.measured == 2  # the last two on steps, each after two on steps
+
+
+AWFUL = Behaviour(tokens=1, extra=0.020)  # speculating doubles the step and adds nothing
+
+
+def test_while_speculation_loses_far_too_much_a_new_chat_gets_only_a_short_trial():
+    guard = SpeedGuard()
+    run(guard, [GuardRecord()], [AWFUL], 3 * EXPLORE_PERIOD)
+    assert guard.speedup < SHORT_TRIAL_BELOW
+    newcomer = guard.new_record()
+    assert newcomer.trial_steps == SHORT_TRIAL_STEPS < TRIAL_STEPS
+    trace = run(guard, [newcomer], [AWFUL], TRIAL_STEPS + 4)
+    assert newcomer.held_off and not newcomer.trial
+    # Measured steps come after two settled ones: the trial costs a few steps, not TRIAL_STEPS.
+    assert sum(ok for [ok] in trace.allowed) <= SHORT_TRIAL_STEPS + 2
+
+
+def test_while_speculation_loses_far_too_much_a_new_copying_request_is_still_found_out():
+    guard = SpeedGuard()
+    run(guard, [GuardRecord()], [AWFUL], 3 * EXPLORE_PERIOD)
+    newcomer = guard.new_record()
+    copying = Behaviour(tokens=4, extra=0.020)  # a verify that twice a decode's time makes four tokens
+    trace = run(guard, [newcomer], [copying], 4 * TRIAL_STEPS)
+    assert not newcomer.held_off and not newcomer.trial
+    assert all(ok for [ok] in trace.allowed[-TRIAL_STEPS:])
+
+
+def test_a_new_sequence_gets_a_trial_where_speculation_pays_off_or_is_close():
+    guard = SpeedGuard()
+    run(guard, [GuardRecord()], [LOSES], 3 * EXPLORE_PERIOD)
+    assert guard.speedup > SHORT_TRIAL_BELOW
+    newcomer = guard.new_record()
+    assert newcomer.trial and newcomer.trial_steps == TRIAL_STEPS and not newcomer.held_off
+    trace = run(guard, [newcomer], [PAYS], TRIAL_STEPS + 4)
+    assert all(ok for [ok] in trace.allowed[:TRIAL_STEPS])
+
+
+def test_in_a_batch_the_copying_request_speculates_while_the_chats_are_held_off():
+    guard = SpeedGuard()
+    chats = [GuardRecord() for _ in range(3)]
+    copying = GuardRecord()
+    chat = Behaviour(tokens=1, extra=0.003)
+    copy = Behaviour(tokens=3, extra=0.004)
+    run(guard, [*chats, copying], [chat, chat, chat, copy], 6 * EXPLORE_PERIOD)
+    assert all(record.held_off for record in chats)
+    assert not copying.held_off
+
+
+def test_step_times_are_compared_at_the_same_batch_size():
+    guard = SpeedGuard()
+    one, eight = GuardRecord(), [GuardRecord() for _ in range(8)]
+    for _ in range(4):
+        guard.observe(StepResult([one], [False], [1], 0.02))
+    for _ in range(4):
+        guard.observe(StepResult(eight, [True] * 8, [1] * 8, 0.08))
+    assert guard.cost_ratio(1) is None and guard.cost_ratio(8) is None  # each size has only one kind
+
+
+def test_a_new_drafter_is_measured_afresh_and_every_running_sequence_gets_a_trial():
+    """An outage's steps (waits for a drafter that never answered) say nothing of the drafter that comes back."""
+    guard = SpeedGuard()
+    record = GuardRecord()
+    run(guard, [record], [Behaviour(tokens=1, extra=0.050)], 3 * EXPLORE_PERIOD)
+    assert record.held_off and guard.speedup < SHORT_TRIAL_BELOW
+    guard.new_drafter([record])
+    assert guard.speedup is None and record.trial and not record.held_off
+    assert guard.new_record().trial_steps == TRIAL_STEPS
+    trace = run(guard, [record], [PAYS], TRIAL_STEPS + 2)
+    assert all(ok for [ok] in trace.allowed[:TRIAL_STEPS])
+
+
+def test_an_off_window_leaves_the_cost_models_own_verdict_alone():
+    """The drafter is asked for nothing during an off window; afterwards a sequence whose drafts the
+    cost model judges worth verifying is asked for them again (its pause is the model's, not the guard's)."""
+    policy = SpeculationPolicy(TargetConfig())
+    record = policy.new_record()
+    asked = [policy.drafts_to_request([record], [4])[0]]
+    for _ in range(TRIAL_STEPS + 2 * WINDOW_STEPS):
+        [limit] = policy.draft_limits([record], [4])
+        policy.observe_step(1 + limit, DECODE)
+        speculating = policy.allowed([record])[0] and asked[-1] > 0
+        policy.observe_cycle([record], [speculating], [1 + limit], DECODE)
+        asked.append(policy.drafts_to_request([record], [4])[0])
+    assert policy.guard.figures.off_windows == 1
+    assert asked[0] > 0 and 0 in asked  # asked, then not during the off window
+    assert asked[-1] > 0 and not record.paused

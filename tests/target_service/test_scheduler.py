@@ -1,0 +1,101 @@
+"""The Scheduler on its own: what it refuses, whom it admits and in what order, how it shares a step's
+token budget, and what aborting or finishing frees (the engine drives it step by step in
+tests/target_service/test_engine_steps.py)."""
+from __future__ import annotations
+
+import itertools
+
+import grpc
+import pytest
+import torch
+
+from tandem_kernels.sampling import Sampling
+from target_service.errors import RequestError
+from target_service.metrics import TargetMetrics
+from target_service.scheduler import Scheduler
+from target_service.sequence import FinishReason, RequestOptions, Sequence, SequenceStatus
+from tandem.model.kv_cache import KVCache
+from tandem.model.random_weights import SHAPES
+
+MAX_LEN = 64
+_ids = itertools.count(1)
+
+
+def _scheduler(num_slots: int = 4, max_queue: int = 8, budget: int = 512, num_blocks: int | None = None) -> Scheduler:
+    cache = KVCache(SHAPES["tiny"], num_slots, MAX_LEN, torch.float32, torch.device("cpu"), num_blocks=num_blocks)
+    return Scheduler(cache, max_num_seqs=num_slots, max_queue=max_queue, metrics=TargetMetrics("test"),
+                     max_num_batched_tokens=budget)
+
+
+def _request(prompt_len: int = 8, n: int = 1, max_tokens: int = 8) -> list[Sequence]:
+    """A request's n samples, as Engine.new_sequences makes them; nothing here reads their text."""
+    options = RequestOptions(sampling=Sampling(temperature=0.0, seed=1), max_tokens=max_tokens, stop=(),
+                             stop_token_ids=frozenset(), ignore_eos=False, skip_special_tokens=True, speculate=True,
+                             num_speculative_tokens=4, n=n)
+    first = next(_ids)
+    ids = [first, *(next(_ids) for _ in range(n - 1))]
+    return [Sequence(seq_id=seq_id, request_id=f"r{first}", prompt_ids=list(range(100 + first, 100 + first + prompt_len)),
+                     options=options, arrival=0.0, detokenizer=None, stops=None, index=index, group=first)
+            for index, seq_id in enumerate(ids)]
+
+
+def test_a_request_beyond_the_queue_or_the_cache_is_refused_with_its_code():
+    scheduler = _scheduler(num_slots=1, max_queue=1)
+    scheduler.add(_request())  # admitted by the next step: it does not count against the queue
+    scheduler.add(_request())
+    with pytest.raises(RequestError) as full:
+        scheduler.add(_request())
+    assert full.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queue 1" in full.value.message
+    small = _scheduler(num_blocks=2)
+    with pytest.raises(RequestError) as big:
+        small.add(_request(prompt_len=40))
+    assert big.value.code is grpc.StatusCode.INVALID_ARGUMENT and "--kv-cache-tokens" in big.value.message
+
+
+def test_requests_are_admitted_in_order_while_slots_are_free_and_a_requests_samples_together():
+    scheduler = _scheduler(num_slots=3)
+    first, pair, last = _request(), _request(n=2), _request()
+    for samples in (first, pair, last):
+        scheduler.add(samples)
+    batch = scheduler.schedule()
+    assert batch.admitted == batch.prefills == first + pair
+    assert all(seq.status is SequenceStatus.RUNNING and seq.slot is not None for seq in first + pair)
+    assert list(scheduler.waiting) == last and last[0].status is SequenceStatus.WAITING
+    crowded = _scheduler(num_slots=2)
+    crowded.add(_request())
+    crowded.add(_request(n=2))
+    assert len(crowded.schedule().admitted) == 1, "a request's samples wait whole for room for all of them"
+
+
+def test_a_prompt_longer_than_the_step_budget_runs_in_chunks():
+    scheduler = _scheduler(budget=16)
+    [long], [short] = _request(prompt_len=40), _request(prompt_len=4)
+    scheduler.add([long])
+    scheduler.add([short])
+    batch = scheduler.schedule()
+    assert batch.prefills == [] and [(c.seq, c.end) for c in batch.chunks] == [(long, 16)]
+    assert batch.admitted == [long], "the budget is spent: the next prompt waits for a later step"
+
+
+def test_aborting_a_waiting_sequence_takes_it_out_of_the_queue():
+    scheduler = _scheduler(num_slots=1)
+    scheduler.add(_request())
+    [waiting] = _request()
+    scheduler.add([waiting])
+    scheduler.schedule()
+    assert scheduler.dequeue(waiting) and not scheduler.waiting
+    assert waiting.status is SequenceStatus.FINISHED and waiting.seq_id not in scheduler.sequences
+    assert not scheduler.dequeue(scheduler.running[0]), "a running sequence leaves after its step"
+
+
+def test_a_finished_sequence_keeps_its_slot_until_released_and_then_frees_it():
+    scheduler = _scheduler(num_slots=1)
+    [seq], [next_seq] = _request(), _request()
+    scheduler.add([seq])
+    scheduler.add([next_seq])
+    scheduler.schedule()
+    seq.finish = FinishReason.ABORT
+    assert scheduler.schedule().admitted == [], "its slot is held until the step that used it is published"
+    assert scheduler.release_finished() == [seq]
+    assert seq.slot is None and seq.status is SequenceStatus.FINISHED and scheduler.running == []
+    assert scheduler.schedule().admitted == [next_seq]
