@@ -67,7 +67,7 @@ class Config:
 
 
 @dataclass
-class Tally:
+class AgentTally:
     """One configuration's requests, summed."""
 
     config: str
@@ -107,7 +107,7 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> Reply:
     return Reply(text, [calls[i] for i in sorted(calls)], seconds, ttft or seconds, usage, spec)
 
 
-async def converse(config: Config, conversation: dict, max_tokens: int, tally: Tally) -> None:
+async def converse(config: Config, conversation: dict, max_tokens: int, tally: AgentTally) -> None:
     """One conversation on one configuration, its replies added to the tally."""
     tool = conversation["tool"]
     messages = [{"role": "system", "content": conversation["system"]}]
@@ -162,9 +162,9 @@ def start(args: argparse.Namespace, logs: Path) -> list[Config]:
     return configs
 
 
-def drive(configs: list[Config], conversations: list[dict], max_tokens: int) -> dict[str, Tally]:
+def drive(configs: list[Config], conversations: list[dict], max_tokens: int) -> dict[str, AgentTally]:
     """Each conversation to every configuration in turn, the order rotating."""
-    tallies = {config.name: Tally(config.name) for config in configs}
+    tallies = {config.name: AgentTally(config.name) for config in configs}
     for index, conversation in enumerate(conversations):
         order = configs[index % len(configs):] + configs[:index % len(configs)]
         for config in order:
@@ -179,7 +179,7 @@ def _rate(replies: list[tuple[str, Reply]]) -> float:
     return sum(reply.usage.get("completion_tokens", 0) for _, reply in replies) / seconds if seconds else 0.0
 
 
-def row(tally: Tally, alone: Tally) -> dict:
+def row(tally: AgentTally, alone: AgentTally) -> dict:
     replies = [reply for _, reply in tally.replies]
     steps = sum(reply.spec.get("num_spec_steps", 0) for reply in replies)
     accepted = sum(reply.spec.get("num_accepted_draft_tokens", 0) for reply in replies)
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         configs = start(args, Path(logs))
         try:
             for config in configs:  # a first conversation warms each up, unmeasured
-                asyncio.run(converse(config, conversations[0], 8, Tally(config.name)))
+                asyncio.run(converse(config, conversations[0], 8, AgentTally(config.name)))
             tallies = drive(configs, conversations, args.max_tokens)
         finally:
             for config in configs:

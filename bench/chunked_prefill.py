@@ -36,7 +36,7 @@ STREAM_PROMPT = "Tell a long story about a lighthouse keeper and a storm."
 
 
 @dataclass(slots=True)
-class Variant:
+class BudgetVariant:
     budget: int
     draft_budget: int | None  # the draft service's --max-num-batched-tokens; None: no drafter
     itl: list[float] = field(default_factory=list)  # the streams' gaps between tokens
@@ -63,7 +63,7 @@ def long_prompt(index: int, words: int) -> str:
     return f"Document {index}. " + " ".join(filler) + " Summarize it in one line."
 
 
-async def one_round(address: str, variant: Variant, round_index: int, args: argparse.Namespace) -> None:
+async def one_round(address: str, variant: BudgetVariant, round_index: int, args: argparse.Namespace) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
 
@@ -84,7 +84,7 @@ async def one_round(address: str, variant: Variant, round_index: int, args: argp
     variant.long_ttft += [r.ttft for r in results[args.streams:]]
 
 
-def report(variants: list[Variant]) -> None:
+def report(variants: list[BudgetVariant]) -> None:
     print("| --max-num-batched-tokens (target / drafter) | stream ITL p50 ms | p99 ms | max ms | stream tok/s (each) "
           "| stream MAL | long TTFT p50 ms |")
     print("|---|---|---|---|---|---|---|")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                                                  "--max-num-batched-tokens", str(budget),
                                                  *(["--drafter", drafts[i].address] if drafts else [])],
                               log_path=logs / f"target-{i}.log").start() for i, budget in enumerate(args.budgets)]
-    variants = [Variant(budget, draft_budget if args.drafter else None)
+    variants = [BudgetVariant(budget, draft_budget if args.drafter else None)
                 for budget, draft_budget in zip(args.budgets, draft_budgets)]
     try:
         for service in [*drafts, *targets]:

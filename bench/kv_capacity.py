@@ -38,7 +38,7 @@ FILLER = ("Paged attention keeps the key and value vectors of each sequence in f
 
 
 @dataclass(slots=True)
-class Round:
+class CapacityRound:
     peak_running: int
     ttfts: list[float]
     output_tokens: int
@@ -47,9 +47,9 @@ class Round:
 
 
 @dataclass(slots=True)
-class Variant:
+class CapacityVariant:
     name: str
-    rounds: list[Round] = field(default_factory=list)
+    rounds: list[CapacityRound] = field(default_factory=list)
 
 
 def prompts(count: int, words: int) -> list[str]:
@@ -84,7 +84,7 @@ async def poll_running(metrics_url: str, stop: asyncio.Event) -> int:
     return peak
 
 
-async def load(url: str, metrics_url: str, texts: list[str], max_tokens: int) -> Round:
+async def load(url: str, metrics_url: str, texts: list[str], max_tokens: int) -> CapacityRound:
     stop = asyncio.Event()
     poller = asyncio.create_task(poll_running(metrics_url, stop))
     start = time.perf_counter()
@@ -93,11 +93,11 @@ async def load(url: str, metrics_url: str, texts: list[str], max_tokens: int) ->
     seconds = time.perf_counter() - start
     stop.set()
     preemptions = int(metric(await asyncio.to_thread(scrape, metrics_url), "tandem_num_preemptions_total"))
-    return Round(await poller, [ttft for ttft, _ in results], sum(tokens for _, tokens in results), seconds,
+    return CapacityRound(await poller, [ttft for ttft, _ in results], sum(tokens for _, tokens in results), seconds,
                  preemptions)
 
 
-def run_variant(variant: Variant, args: argparse.Namespace, logs: Path, texts: list[str]) -> None:
+def run_variant(variant: CapacityVariant, args: argparse.Namespace, logs: Path, texts: list[str]) -> None:
     process = ServiceProcess("target_service", [
         "--model", args.model, "--threads", str(args.threads), "--no-prefix-caching",
         "--max-model-len", "2048", *VARIANTS[variant.name]],
@@ -109,7 +109,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, logs: Path, texts: l
         process.terminate(10)
 
 
-def report(variants: list[Variant]) -> None:
+def report(variants: list[CapacityVariant]) -> None:
     print("| target | peak running | preemptions (per round) | TTFT p50 s | output tok/s |")
     print("|---|---|---|---|---|")
     medians = {}
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="tandem-kv-capacity-"))
     texts = prompts(args.requests, args.prompt_words)
-    variants = [Variant(name) for name in VARIANTS]
+    variants = [CapacityVariant(name) for name in VARIANTS]
     print(f"{args.model}, {args.threads} threads, KV {KV_TOKENS} tokens in each, {args.requests} requests at once "
           f"of ~{args.prompt_words}-word prompts and {args.max_tokens} tokens, {args.rounds} rounds (logs: {logs})")
     for _ in range(args.rounds):

@@ -72,7 +72,7 @@ class Service:
 
 
 @dataclass
-class Cell:
+class NetworkCell:
     """What one configuration did on one (phase, kind, concurrency)."""
 
     phase: str
@@ -146,7 +146,7 @@ def start_alone(link: str, args: argparse.Namespace, logs: Path) -> Service:
 
 
 def run_phase(link: str, args: argparse.Namespace, prompts: dict[str, list[Prompt]],
-              warm: dict[str, list[Prompt]], logs: Path) -> tuple[list[Cell], dict[str, dict[str, float]]]:
+              warm: dict[str, list[Prompt]], logs: Path) -> tuple[list[NetworkCell], dict[str, dict[str, float]]]:
     """Every configuration started afresh (no prefix cached from an earlier phase), then driven in turn."""
     services = [start_alone(link, args, logs), *(start_pair(drafter, link, args, logs) for drafter in args.drafters)]
     pairs = services[1:]
@@ -173,9 +173,9 @@ def run_phase(link: str, args: argparse.Namespace, prompts: dict[str, list[Promp
 
 
 def drive(link: str, kind: str, concurrency: int, services: list[Service], batches: list[list[Prompt]],
-          max_tokens: int) -> list[Cell]:
+          max_tokens: int) -> list[NetworkCell]:
     """Each group to every configuration in turn, the order rotating from group to group."""
-    cells = {s.name: Cell(link, kind, concurrency, s.name) for s in services}
+    cells = {s.name: NetworkCell(link, kind, concurrency, s.name) for s in services}
     for g, batch in enumerate(batches):
         order = services[g % len(services):] + services[:g % len(services)]
         for service in order:
@@ -195,7 +195,7 @@ def drive(link: str, kind: str, concurrency: int, services: list[Service], batch
     return list(cells.values())
 
 
-def row(cell: Cell, alone: Cell, cpu: dict[str, float]) -> dict:
+def row(cell: NetworkCell, alone: NetworkCell, cpu: dict[str, float]) -> dict:
     c = cell.counters
     steps = c["step_decode_count"] + c["step_verify_count"]
     speculating_steps = c["drafts"] + c["draft_miss"]

@@ -30,7 +30,7 @@ EXTRAS = {
 
 
 @dataclass(slots=True)
-class Cell:
+class CostSetting:
     """One (concurrency, speculation) setting: records of the plain requests and of those with extras."""
 
     records: dict[str, list[RequestRecord]] = field(default_factory=lambda: {"plain": [], "extra": []})
@@ -43,7 +43,7 @@ class Cell:
         return acceptance(self.records[variant])["mean_acceptance_length"]
 
 
-def measure(address: str, args: argparse.Namespace) -> dict[tuple[int, bool], Cell]:
+def measure(address: str, args: argparse.Namespace) -> dict[tuple[int, bool], CostSetting]:
     prompts = load_prompts(args.num_prompts + 2)
     warm, prompts = prompts[:2], prompts[2:]
     for extra in (None, EXTRAS[args.extra]):  # first requests pay one-time costs: keep them out
@@ -53,7 +53,7 @@ def measure(address: str, args: argparse.Namespace) -> dict[tuple[int, bool], Ce
     cells = {}
     for concurrency in args.concurrency:
         for speculate in (False, True):
-            cell = cells[(concurrency, speculate)] = Cell()
+            cell = cells[(concurrency, speculate)] = CostSetting()
             for start in range(0, len(prompts), chunk):
                 for variant, extra in (("plain", None), ("extra", EXTRAS[args.extra])):
                     result = asyncio.run(run_load(address, prompts[start : start + chunk],
@@ -67,7 +67,7 @@ def measure(address: str, args: argparse.Namespace) -> dict[tuple[int, bool], Ce
     return cells
 
 
-def report(cells: dict[tuple[int, bool], Cell]) -> None:
+def report(cells: dict[tuple[int, bool], CostSetting]) -> None:
     print("| c | speculation | plain tok/s | with extras tok/s | ratio | plain MAL | extras MAL |")
     print("|---|---|---|---|---|---|---|")
     for (concurrency, speculate), cell in cells.items():

@@ -135,7 +135,7 @@ class Pair:
 # ---- one cell: a mode at a temperature under one arrival pattern -------------------------------
 
 @dataclass
-class Cell:
+class ServeCell:
     drafter: str
     mode: str
     temperature: float
@@ -183,10 +183,10 @@ def warm_up(config: BenchConfig, pair: Pair, prompts: list[Prompt]) -> None:
                                  speculate=(mode != "alone")))
 
 
-def run_drafter(config: BenchConfig, drafter: str, prompts: list[Prompt], hf, logs: Path) -> list[Cell]:
+def run_drafter(config: BenchConfig, drafter: str, prompts: list[Prompt], hf, logs: Path) -> list[ServeCell]:
     print(f"\n== drafter {drafter}: starting the draft service and two targets ...", flush=True)
     pair = Pair.start(config, drafter, logs)
-    cells: list[Cell] = []
+    cells: list[ServeCell] = []
     try:
         warm_up(config, pair, prompts)
         patterns = [(t, Arrivals("closed", c)) for t in config.temperatures for c in config.concurrency]
@@ -198,7 +198,7 @@ def run_drafter(config: BenchConfig, drafter: str, prompts: list[Prompt], hf, lo
         for temperature, arrivals in patterns:
             with_hf = hf_modes if (temperature == 0 and arrivals == Arrivals("closed", 1)) else []
             modes = [*TANDEM_MODES, *with_hf]
-            group = {m: Cell(drafter, m, temperature, arrivals) for m in modes}
+            group = {m: ServeCell(drafter, m, temperature, arrivals) for m in modes}
             offset = 0
             for r, chunk in enumerate(_chunks(prompts, config.rounds)):
                 order = modes[r % len(modes):] + modes[:r % len(modes)]  # rotate: no mode always goes first

@@ -44,7 +44,7 @@ RUNNER = Path(__file__).with_name("vllm_runner.py")
 
 
 @dataclass(slots=True)
-class Cell:
+class EngineRun:
     """One engine and setting over all prompts, one request after another or all at once."""
 
     engine: str  # "vllm" or a Tandem variant: "alone@1", "alone@2", "ngram pair"
@@ -69,7 +69,7 @@ def prompt_ids(num_prompts: int, kind: str | None, model: str) -> list[list[int]
 
 # ---- vLLM -----------------------------------------------------------------------------------------
 
-def run_vllm(vllm_dir: Path, prompts_file: Path, dtype: str, ngram: int, max_tokens: int, log: Path) -> list[Cell]:
+def run_vllm(vllm_dir: Path, prompts_file: Path, dtype: str, ngram: int, max_tokens: int, log: Path) -> list[EngineRun]:
     out = prompts_file.with_name(f"vllm-{dtype}-{ngram}.json")
     cmd = [str(vllm_dir / "venv" / "bin" / "python"), str(RUNNER), "--model", str(vllm_dir / "smollm2-135m-hf"),
            "--prompts", str(prompts_file), "--out", str(out), "--dtype", dtype, "--ngram", str(ngram),
@@ -78,7 +78,7 @@ def run_vllm(vllm_dir: Path, prompts_file: Path, dtype: str, ngram: int, max_tok
         subprocess.run(cmd, check=True, stdout=sink, stderr=subprocess.STDOUT, timeout=1800)
     result = json.loads(out.read_text())
     speculation = "ngram" if ngram else "none"
-    return [Cell("vllm", dtype, load.replace("_", " "), speculation, sum(map(len, r["outputs"])), r["seconds"],
+    return [EngineRun("vllm", dtype, load.replace("_", " "), speculation, sum(map(len, r["outputs"])), r["seconds"],
                  r["outputs"]) for load, r in result.items()]
 
 
@@ -104,18 +104,18 @@ async def generate_all(address: str, prompts: list[list[int]], max_tokens: int, 
 
 
 def tandem_cells(engine: str, target: ServiceProcess, dtype: str, prompts: list[list[int]], max_tokens: int,
-                 speculate: bool, loads: tuple[bool, ...]) -> list[Cell]:
+                 speculate: bool, loads: tuple[bool, ...]) -> list[EngineRun]:
     asyncio.run(generate_all(target.address, prompts[:2], max_tokens, speculate, at_once=False))  # warm-up
     cells = []
     for at_once in loads:
         seconds, outputs = asyncio.run(generate_all(target.address, prompts, max_tokens, speculate, at_once))
-        cells.append(Cell(engine, dtype, "all at once" if at_once else "one at a time",
+        cells.append(EngineRun(engine, dtype, "all at once" if at_once else "one at a time",
                           "ngram" if speculate else "none", sum(map(len, outputs)), seconds, outputs))
     return cells
 
 
 def run_tandem(model: str, dtype: str, threads: list[int], prompts: list[list[int]], max_tokens: int,
-               logs: Path) -> list[Cell]:
+               logs: Path) -> list[EngineRun]:
     common = ["--model", model, "--dtype", dtype, "--max-model-len", "2048"]
     cells = []
     for n in threads:
@@ -149,7 +149,7 @@ def same_outputs(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b))
 
 
-def report(cells: list[Cell]) -> list[dict]:
+def report(cells: list[EngineRun]) -> list[dict]:
     """One row per Tandem cell: its tokens/s against vLLM's with the same dtype, load and speculation.
 
     Each row also counts the outputs equal to Tandem's own reference, the lone target on one thread
@@ -170,7 +170,7 @@ def report(cells: list[Cell]) -> list[dict]:
     return rows
 
 
-def _same_as(cell: Cell, reference: Cell | None) -> str:
+def _same_as(cell: EngineRun, reference: EngineRun | None) -> str:
     return f"{same_outputs(cell.outputs, reference.outputs)}/{len(reference.outputs)}" if reference else "-"
 
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", metavar="JSON", help="print the table of a saved run's --out file and exit")
     args = parser.parse_args(argv)
     if args.report:
-        print_report(report([Cell(**c) for c in json.loads(Path(args.report).read_text())["cells"]]))
+        print_report(report([EngineRun(**c) for c in json.loads(Path(args.report).read_text())["cells"]]))
         return
     vllm_dir = Path(args.vllm_dir)
     if not (vllm_dir / "venv" / "bin" / "python").exists() or not (vllm_dir / "smollm2-135m-hf").is_dir():
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts_file = logs / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     print(f"logs: {logs}; {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens", flush=True)
-    cells: list[Cell] = []
+    cells: list[EngineRun] = []
     for dtype in args.dtypes:
         for ngram in (0, NGRAM_K):
             cells += run_vllm(vllm_dir, prompts_file, dtype, ngram, args.max_tokens, logs / "vllm.log")

@@ -13,9 +13,9 @@ def _reply(seconds: float, tokens: int, ttft: float, steps: int = 0, accepted: i
 
 
 def test_a_row_judges_a_configuration_by_every_request_against_the_target_alone():
-    alone = agent.Tally(agent.ALONE, [("call", _reply(1.0, 10, 0.2)), ("answer", _reply(3.0, 90, 0.4))],
+    alone = agent.AgentTally(agent.ALONE, [("call", _reply(1.0, 10, 0.2)), ("answer", _reply(3.0, 90, 0.4))],
                         {"c": ["{}", "a"]})
-    pair = agent.Tally("suffix", [("call", _reply(1.0, 10, 0.2, steps=4, accepted=6, cached=50)),
+    pair = agent.AgentTally("suffix", [("call", _reply(1.0, 10, 0.2, steps=4, accepted=6, cached=50)),
                                   ("answer", _reply(1.0, 90, 0.4, steps=30, accepted=60, cached=80))],
                        {"c": ["{}", "a"]})
     row = agent.row(pair, alone)

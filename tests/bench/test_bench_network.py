@@ -7,8 +7,8 @@ from bench import network
 from bench.scrape import COUNTERS
 
 
-def _cell(config: str, seconds: float, ttfts: list[float], decode_rates: list[float], **counters: float) -> network.Cell:
-    cell = network.Cell(network.LOOPBACK, "rewrite", 8, config, tokens=200, seconds=seconds, ttfts=ttfts,
+def _cell(config: str, seconds: float, ttfts: list[float], decode_rates: list[float], **counters: float) -> network.NetworkCell:
+    cell = network.NetworkCell(network.LOOPBACK, "rewrite", 8, config, tokens=200, seconds=seconds, ttfts=ttfts,
                         decode_rates=decode_rates, outputs={"a": [1, 2], "b": [3]})
     cell.counters = {name: 0.0 for name in COUNTERS} | counters
     return cell

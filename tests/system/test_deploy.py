@@ -320,7 +320,8 @@ def test_alert_rules_evaluate_and_see_the_pair_up_and_connected(observed_pair):
         assert rule["health"] == "ok", (name, rule.get("lastError"))
     assert rules["TandemServiceDown"]["state"] == "inactive"
     assert rules["TandemDrafterDisconnected"]["state"] == "inactive"
-    assert rules["TandemSpeculationCosts"]["state"] == "inactive"
+    # TandemSpeculationCosts weighs measured speed, which a busy 2-core box moves: its state here
+    # would assert wall-clock speed. Its logic is promtool's test (alerts_test.yml), on given series.
 
 
 TLS_ENV = {"TLS_DIR": "/srv/tls", "TLS_CA": "/tls/ca.crt", "DRAFT_TLS_CERT": "/tls/draft.crt",

@@ -41,7 +41,7 @@ def rss_bytes(pid: int) -> int:
 
 
 @dataclass
-class Tally:
+class SoakTally:
     outcomes: Counter = field(default_factory=Counter)  # ok / cancelled / deadline / exhausted
     finish: Counter = field(default_factory=Counter)  # finish reasons of the ok ones
     tokens_ok: int = 0  # tokens received by requests that finished
@@ -56,7 +56,7 @@ class Soak:
         self.logs = logs
         self.seconds = seconds
         self.rng = random.Random(seed)
-        self.tally = Tally()
+        self.tally = SoakTally()
         self.draft = ServiceProcess("draft_service", ["--drafter", "ngram", "--threads", "1"],
                                     log_path=logs / "draft.log")
         self.target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512",
@@ -170,14 +170,14 @@ def _delta(after: dict, before: dict, name: str, **labels) -> float:
     return metric(after, name, **labels) - metric(before, name, **labels)
 
 
-def run_soak(logs: Path, seconds: float) -> Tally:
+def run_soak(logs: Path, seconds: float) -> SoakTally:
     soak = Soak(logs, seconds)
     try:
         soak.start()
         soak.compute_reference()
         warm_up = min(15.0, seconds / 4)
         asyncio.run(soak.load(warm_up, restart_drafter=False))
-        soak.tally = Tally()  # the warm-up's outcomes are not counted against the metrics window
+        soak.tally = SoakTally()  # the warm-up's outcomes are not counted against the metrics window
         wait_idle(soak.target, soak.draft)
         rss_start = rss_bytes(soak.target.process.pid)
         before = scrape(soak.target.metrics_url)

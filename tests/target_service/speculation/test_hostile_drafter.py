@@ -205,7 +205,7 @@ async def test_a_drafter_that_stops_reading_cannot_grow_the_update_queue():
         async def Speculate(self, request_iterator, context):
             await asyncio.Event().wait()
 
-    class Engine:
+    class Peer:  # the link's DrafterPeer
         def reopen_all(self):
             return drafter_pb2.TargetUpdate()
 
@@ -216,7 +216,7 @@ async def test_a_drafter_that_stops_reading_cannot_grow_the_update_queue():
     drafter_pb2_grpc.add_DrafterServicer_to_server(NeverReads(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    link = DrafterLink(f"127.0.0.1:{port}", Engine(), TargetMetrics("test"), vocab_size=VOCAB,
+    link = DrafterLink(f"127.0.0.1:{port}", Peer(), TargetMetrics("test"), vocab_size=VOCAB,
                        tokenizer_fingerprint="fp", reconnect_max_seconds=0.2, max_message_bytes=2**24,
                        max_pending_updates=64)
     link.start()
