@@ -24,7 +24,7 @@ from target_service.kv_event_stream import KvEventStream
 from target_service.metrics import TargetMetrics
 from target_service.model_runner import ModelRunner
 from target_service.step_items import ItemResult, PrefillItem, PromptPart
-from target_service.scheduler import PromptChunk, Scheduler
+from target_service.scheduler import Scheduler
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence
 from target_service.speculation.plan import DraftPlan
 from target_service.speculation.speculator import Speculator
@@ -154,16 +154,17 @@ class Engine:
         self.speculator.admit(batch.admitted)  # before our prefill, so that the drafter's runs beside it
         if batch.prefills or batch.chunks:
             results, firsts = await self._prefill(batch.prefills, batch.chunks)
-            await self._publish(batch.prefills, results, self._commit(batch.prefills, results), firsts)
+            outputs = self._commit(batch.prefills, results)
+            self.scheduler.update(batch.prefills, batch.chunks)
+            await self._publish(batch.prefills, results, outputs, firsts)
         prefilled = time.perf_counter()
         decodes = [seq for seq in batch.decodes if seq.finish is None]
         if decodes:
             plan = await self.speculator.schedule(decodes, admission=self.scheduler.prompts_pending)
             firsts = [len(seq.token_ids) - 1 for seq in plan.seqs]  # where each result's feature rows start
             results, seconds = await self._verify(plan)
-            for seq in plan.seqs:
-                seq.replay_from = None  # the step ran its replay: its slot holds its KV again
             outputs = self._commit(plan.seqs, results)
+            self.scheduler.update(plan.seqs)
             self.speculator.account(plan, results, outputs, seconds, self._cycle(started, prefilled))
             await self._publish(plan.seqs, results, outputs, firsts)
         else:
@@ -182,7 +183,7 @@ class Engine:
         """Publish what the prefix cache stored and evicted since the last call, as one batch."""
         self.kv_events.publish(self.scheduler.prefix_cache.events.take())
 
-    async def _prefill(self, prefills: list[Sequence], chunks: list[PromptChunk]) -> tuple[list[ItemResult], list[int]]:
+    async def _prefill(self, prefills: list[Sequence], chunks: list[PromptPart]) -> tuple[list[ItemResult], list[int]]:
         """The prefills' first tokens, and the chunks' KV, in one forward; and where each prefill's
         run (its feature rows) starts. A request's first sample runs the prompt from what its slot
         holds (prefix caching, earlier chunks); its other samples (right after it) share its KV."""
@@ -192,20 +193,19 @@ class Engine:
             leader = first.get(s.group)
             items.append(PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling,
                                      grammar=s.grammar, logits_context=s.logits_context(), logprobs=s.options.logprobs,
-                                     prompt_logprobs=s.options.prompt_logprobs, copy_of=leader, cached=s.prefilled))
+                                     prompt_logprobs=s.options.prompt_logprobs, copy_of=leader,
+                                     cached=s.num_computed_tokens))
             first.setdefault(s.group, b)
-        parts = [PromptPart(slot=c.seq.slot, prompt_ids=c.seq.prompt_ids, start=c.seq.prefilled, end=c.end,
-                            prompt_logprobs=c.seq.options.prompt_logprobs) for c in chunks]
         started = time.perf_counter()
-        results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers, parts)
+        results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers, chunks)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
         results, chunk_results = results[:len(items)], results[len(items):]
-        for c, result in zip(chunks, chunk_results, strict=True):
+        for part, result in zip(chunks, chunk_results, strict=True):
+            seq = self.scheduler.sequences[part.seq_id]
             if result.features is not None:
-                self.speculator.keep_features(c.seq, c.seq.prefilled, result.features)
+                self.speculator.keep_features(seq, part.start, result.features)
             if result.prompt_logprobs is not None:
-                c.seq.scored_prompt_logprobs += result.prompt_logprobs
-            c.seq.prefilled = c.end
+                seq.scored_prompt_logprobs += result.prompt_logprobs
         prompts = [s for s, i in zip(prefills, items) if i.copy_of is None]
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in prompts))
         self.metrics.prefix_cache_queries.inc(sum(len(s.prompt_ids) for s in prompts))

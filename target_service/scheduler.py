@@ -5,7 +5,9 @@ each step every running sequence gets the blocks that step may write. Free block
 prefix give way first, the least recently used first. When the pool is still short, the newest
 running sequence is preempted: it frees its slot (its full blocks stay cached) and waits at the
 head of the queue; re-admitted, it recomputes the KV its new slot lacks in its next verify step
-(`Sequence.replay_from`), and nothing else about it changes.
+(`Sequence.replay`), and nothing else about it changes. Each sequence's `num_computed_tokens` says
+which positions its slot holds; admission sets it (the prefix cache's hit) and `update`, after each
+step, advances it.
 
 A request's n samples wait, and are admitted, together: their prefill is shared (one forward, the
 prompt's full blocks shared with the other samples' slots). A new sequence's slot may already hold
@@ -34,15 +36,8 @@ from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from target_service.prefix_cache import PrefixCache
 from target_service.sequence import FinishReason, Sequence, SequenceStatus
+from target_service.step_items import PromptPart
 from tandem.model.kv_cache import KVCache
-
-
-@dataclass(frozen=True, slots=True)
-class PromptChunk:
-    """Positions [seq.prefilled, end) of a prompt that is not the prompt's end: KV written, nothing sampled."""
-
-    seq: Sequence
-    end: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +46,7 @@ class ScheduledBatch:
     long prompts, sequences to decode or verify, and the sequences new to the drafter."""
 
     prefills: list[Sequence]
-    chunks: list[PromptChunk]
+    chunks: list[PromptPart]
     decodes: list[Sequence]
     admitted: list[Sequence]
 
@@ -128,7 +123,7 @@ class Scheduler:
         decodes = [s for s in live if s.num_generated]
         budget = _Budget(self.max_num_batched_tokens - sum(map(self._step_tokens, decodes)))
         prefills: list[Sequence] = []
-        chunks: list[PromptChunk] = []
+        chunks: list[PromptPart] = []
         prompts: dict[int, list[Sequence]] = {}  # group -> its samples before their first token
         for seq in live:
             if not seq.num_generated:
@@ -151,6 +146,15 @@ class Scheduler:
         self._forget(seq)
         return True
 
+    def update(self, ran: list[Sequence], chunks: list[PromptPart] = ()) -> None:
+        """After a step: each sequence in `ran` committed its tokens (a prompt's first, or a verify's),
+        and its slot holds the KV of all of them but the newest; each chunk's prompt positions up to
+        its end were written."""
+        for seq in ran:
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+        for part in chunks:
+            self.sequences[part.seq_id].num_computed_tokens = part.end
+
     def release_finished(self) -> list[Sequence]:
         """Free the KV slots of the running sequences whose finish is set; returns them."""
         finished = [s for s in self.running if s.finish is not None]
@@ -165,7 +169,7 @@ class Scheduler:
         self.metrics.running.set(len(self.running))
         return finished
 
-    def _admit(self, full_prefills: bool, budget: "_Budget", prefills: list[Sequence], chunks: list[PromptChunk],
+    def _admit(self, full_prefills: bool, budget: "_Budget", prefills: list[Sequence], chunks: list[PromptPart],
                decodes: list[Sequence]) -> list[Sequence]:
         """Admit waiting groups while they fit and the budget has tokens left; returns the sequences
         new to the drafter (not the preempted ones coming back)."""
@@ -174,15 +178,15 @@ class Scheduler:
             group = self._next_group()
             for seq in group:
                 if seq.num_generated:  # preempted: its committed tokens, of which its new slot may hold some
-                    seq.slot, seq.replay_from = self.prefix_cache.allocate(seq.token_ids)
+                    seq.slot, seq.num_computed_tokens = self.prefix_cache.allocate(seq.token_ids)
                     decodes.append(seq)
                     budget.take(self._step_tokens(seq))
                 else:
                     reuse = not full_prefills and seq.options.prompt_logprobs is None  # else every position runs
-                    seq.slot, seq.prefilled = self.prefix_cache.allocate(seq.prompt_ids, reuse)
-                    del seq.scored_prompt_logprobs[seq.prefilled:]  # after a preemption: the positions that run again
+                    seq.slot, seq.num_computed_tokens = self.prefix_cache.allocate(seq.prompt_ids, reuse)
+                    del seq.scored_prompt_logprobs[seq.num_computed_tokens:]  # after a preemption: what runs again
                     if seq.admitted_at is None:  # else preempted before its first token: the drafter has it
-                        seq.cached_tokens = seq.prefilled
+                        seq.cached_tokens = seq.num_computed_tokens
                         seq.admitted_at = time.perf_counter()
                         self.metrics.queue_time.observe(seq.admitted_at - seq.arrival)
                         admitted.append(seq)
@@ -198,16 +202,18 @@ class Scheduler:
         return admitted
 
     def _take_prompt(self, samples: list[Sequence], budget: "_Budget", prefills: list[Sequence],
-                     chunks: list[PromptChunk]) -> None:
+                     chunks: list[PromptPart]) -> None:
         """The first sample runs the prompt to its end if the budget allows (the others then share it),
         else a chunk of it."""
         leader = samples[0]
-        remaining = len(leader.prompt_ids) - leader.prefilled
+        start = leader.num_computed_tokens
+        remaining = len(leader.prompt_ids) - start
         if remaining <= budget.left:
             prefills.extend(samples)
             budget.take(remaining)
         elif budget.left > 0:
-            chunks.append(PromptChunk(leader, leader.prefilled + budget.left))
+            chunks.append(PromptPart(seq_id=leader.seq_id, slot=leader.slot, prompt_ids=leader.prompt_ids, start=start,
+                                     end=start + budget.left, prompt_logprobs=leader.options.prompt_logprobs))
             budget.take(budget.left)
 
     def _prompt_running(self, samples: list[Sequence]) -> bool:
@@ -248,14 +254,8 @@ class Scheduler:
         self.metrics.running.set(len(self.running))
 
     def _cache_blocks(self, seq: Sequence) -> None:
-        """Cache the full blocks of the sequence's KV: every committed token but the last, the prompt
-        positions prefilled so far before its first token, or, before its replay has run, the tokens
-        its slot was admitted with."""
-        if not seq.num_generated:
-            computed = seq.prefilled
-        else:
-            computed = len(seq.token_ids) - 1 if seq.replay_from is None else seq.replay_from
-        self.prefix_cache.cache_blocks(seq.slot, seq.token_ids, computed)
+        """Cache the full blocks of the sequence's computed KV."""
+        self.prefix_cache.cache_blocks(seq.slot, seq.token_ids, seq.num_computed_tokens)
 
     def _positions_needed(self, seq: Sequence) -> int:
         """The positions the sequence's next step may write: its tokens, the prefill's token or
@@ -266,8 +266,8 @@ class Scheduler:
     def _step_tokens(self, seq: Sequence) -> int:
         """The tokens a decode or verify step runs for the sequence at most: its replay, its last
         token and its drafts."""
-        start = len(seq.token_ids) - 1 if seq.replay_from is None else seq.replay_from
-        return len(seq.token_ids) - start + (seq.options.num_speculative_tokens if seq.options.speculate else 0)
+        drafts = seq.options.num_speculative_tokens if seq.options.speculate else 0
+        return len(seq.token_ids) - seq.num_computed_tokens + drafts
 
     def _blocks_needed(self, seq: Sequence) -> int:
         return self.kv_cache.blocks_for(self._positions_needed(seq))

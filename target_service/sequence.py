@@ -80,10 +80,12 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + committed
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
-    cached_tokens: int = 0  # prompt tokens whose KV its slot already held (prefix caching): not prefilled
-    prefilled: int = 0  # before its first token: the prompt positions whose KV its slot holds (chunked prefill)
+    cached_tokens: int = 0  # usage: prompt tokens whose KV its slot already held (prefix caching): not prefilled
+    # The positions whose KV its slot holds, from 0: the prefix cache's hit at admission, then each
+    # prompt chunk, the prompt's end, each verify (all committed tokens but the newest), and after a
+    # preemption the hit of its new slot; its next step runs the positions from here.
+    num_computed_tokens: int = 0
     scored_prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # its prompt's earlier chunks scored these
-    replay_from: int | None = None  # after a preemption: its new slot holds KV up to here, its next step runs the rest
     draft_tokens: int = 0  # usage: drafts verified
     # usage: [a] counts the steps that verified drafts and committed a of them (draft_steps, accepted_tokens)
     acceptance_histogram: list[int] = field(default_factory=list)
@@ -99,6 +101,12 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def replay(self) -> list[int]:
+        """The committed tokens before the newest whose KV its slot lacks (after a preemption): its next
+        verify runs them in front."""
+        return self.token_ids[self.num_computed_tokens:-1] if self.num_generated else []
 
     @property
     def draft_steps(self) -> int:

@@ -66,8 +66,10 @@ class PrefillItem:
 @dataclass(frozen=True, slots=True)
 class PromptPart:
     """Positions [start, end) of a prompt that goes on in a later step (chunked prefill): its KV is
-    written and nothing is sampled; with prompt_logprobs, prompt tokens start + 1 .. end are scored."""
+    written and nothing is sampled; with prompt_logprobs, prompt tokens start + 1 .. end are scored.
+    The scheduler makes it, the runner runs it, and the scheduler's update advances its sequence."""
 
+    seq_id: int
     slot: int
     prompt_ids: list[int]
     start: int

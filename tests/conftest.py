@@ -14,7 +14,20 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tandem import launch
 from tandem.registry import resolve_model_path
+
+
+def pytest_configure(config) -> None:
+    """Each test worker picks service ports from a range of its own. A port free_port finds free stays
+    unbound until its service has loaded its model, seconds later; another worker that picked it
+    meanwhile would start a second service on it, and each test would then talk to the other's."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker is None or count is None:
+        return
+    ports, index = launch.PORT_RANGE, int(worker.removeprefix("gw"))
+    size = len(ports) // int(count)
+    launch.PORT_RANGE = range(ports.start + index * size, ports.start + (index + 1) * size)
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,7 @@ class PlannedDrafts:
                           drafts=self.drafts, sampling=seq.options.sampling, grammar=seq.grammar,
                           logits_context=seq.logits_context(self.drafts.tokens if self.drafts else ()),
                           logprobs=seq.options.logprobs,
-                          replay=() if seq.replay_from is None else tuple(seq.token_ids[seq.replay_from : -1]))
+                          replay=tuple(seq.replay))
 
 
 @dataclass(frozen=True, slots=True)

@@ -266,7 +266,7 @@ def test_a_prompt_prefilled_in_chunks_beside_other_prompts_gives_the_whole_prefi
     beside = []
     for start, end, other in ((0, 16, others[0]), (16, 30, others[1])):
         result, chunk = runner.prefill([PrefillItem(2, other, greedy, logprobs=2)],
-                                       parts=[PromptPart(slot=0, prompt_ids=prompt, start=start, end=end)])
+                                       parts=[PromptPart(seq_id=0, slot=0, prompt_ids=prompt, start=start, end=end)])
         assert chunk == ItemResult([], 0), "a chunk samples nothing"
         beside.append(result)
     assert [r.tokens for r in beside] == [r.tokens for r in alone]
@@ -276,10 +276,10 @@ def test_a_prompt_prefilled_in_chunks_beside_other_prompts_gives_the_whole_prefi
     assert chunked_tokens == whole_tokens
     _assert_same_logprobs(runner, chunked_logprobs, whole_logprobs)
     # A call of chunks alone writes their KV; one beside a prompt's logprobs leaves those as they are alone.
-    assert runner.prefill([], parts=[PromptPart(slot=3, prompt_ids=prompt, start=0, end=8)]) == [ItemResult([], 0)]
+    assert runner.prefill([], parts=[PromptPart(seq_id=0, slot=3, prompt_ids=prompt, start=0, end=8)]) == [ItemResult([], 0)]
     assert _finish_prefill_and_decode(runner, 3, prompt, cached=8, steps=3)[0] == whole_tokens
     scored = [runner.prefill([PrefillItem(2, others[1], greedy, prompt_logprobs=2)], parts=parts)[0].prompt_logprobs
-              for parts in ([], [PromptPart(slot=3, prompt_ids=prompt, start=0, end=16)])]
+              for parts in ([], [PromptPart(seq_id=0, slot=3, prompt_ids=prompt, start=0, end=16)])]
     _assert_same_logprobs(runner, scored[1], scored[0])
 
 
@@ -293,8 +293,8 @@ def test_a_prompts_logprobs_come_in_its_chunks_as_they_come_whole(runner, captur
     [whole] = runner.prefill([PrefillItem(1, prompt, greedy, prompt_logprobs=2)], capture)
     [alone] = runner.prefill([PrefillItem(2, other, greedy)], capture)
     beside, first = runner.prefill([PrefillItem(2, other, greedy)], capture,
-                                   parts=[PromptPart(slot=0, prompt_ids=prompt, start=0, end=16, prompt_logprobs=2)])
-    [second] = runner.prefill([], capture, parts=[PromptPart(slot=0, prompt_ids=prompt, start=16, end=30,
+                                   parts=[PromptPart(seq_id=0, slot=0, prompt_ids=prompt, start=0, end=16, prompt_logprobs=2)])
+    [second] = runner.prefill([], capture, parts=[PromptPart(seq_id=0, slot=0, prompt_ids=prompt, start=16, end=30,
                                                              prompt_logprobs=2)])
     [last] = runner.prefill([PrefillItem(0, prompt, greedy, prompt_logprobs=2, cached=30)], capture)
     assert beside.tokens == alone.tokens and last.tokens == whole.tokens
@@ -309,9 +309,9 @@ def test_a_prompts_features_come_in_its_chunks_as_they_come_whole(runner):
     they are the whole prefill's rows, and the first token is the same."""
     prompt, greedy, layers = list(range(3, 40)), Sampling(), (0, 1)
     [whole] = runner.prefill([PrefillItem(1, prompt, greedy)], layers)
-    [first] = runner.prefill([], layers, parts=[PromptPart(slot=0, prompt_ids=prompt, start=0, end=16)])
+    [first] = runner.prefill([], layers, parts=[PromptPart(seq_id=0, slot=0, prompt_ids=prompt, start=0, end=16)])
     other, second = runner.prefill([PrefillItem(2, list(range(50, 59)), greedy)], layers,
-                                   parts=[PromptPart(slot=0, prompt_ids=prompt, start=16, end=30)])
+                                   parts=[PromptPart(seq_id=0, slot=0, prompt_ids=prompt, start=16, end=30)])
     [last] = runner.prefill([PrefillItem(0, prompt, greedy, cached=30)], layers)
     assert last.tokens == whole.tokens and other.features.shape[0] == 9
     chunked = torch.cat([first.features, second.features, last.features])  # [37, layers, hidden]

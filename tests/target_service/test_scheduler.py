@@ -67,16 +67,50 @@ def test_requests_are_admitted_in_order_while_slots_are_free_and_a_requests_samp
     assert len(crowded.schedule().admitted) == 1, "a request's samples wait whole for room for all of them"
 
 
-def test_a_prompt_longer_than_the_step_budget_runs_in_chunks():
+def test_a_prompt_longer_than_the_step_budget_runs_in_chunks_each_from_where_the_last_ended():
     scheduler = _scheduler(budget=16)
     [long], [short] = _request(prompt_len=40), _request(prompt_len=4)
     scheduler.add([long])
     scheduler.add([short])
     batch = scheduler.schedule()
-    assert batch.prefills == [] and [(c.seq, c.end) for c in batch.chunks] == [(long, 16)]
+    assert batch.prefills == [] and [(p.seq_id, p.start, p.end) for p in batch.chunks] == [(long.seq_id, 0, 16)]
     assert batch.admitted == [long], "the budget is spent: the next prompt waits for a later step"
+    scheduler.update([], batch.chunks)
+    assert long.num_computed_tokens == 16
+    batch = scheduler.schedule()
+    assert [(p.start, p.end) for p in batch.chunks] == [(16, 32)]
+    scheduler.update([], batch.chunks)
+    batch = scheduler.schedule()
+    assert batch.chunks == [] and batch.prefills == [long, short], "its last 8 positions, then a prompt that fits"
+    for seq in batch.prefills:
+        seq.token_ids.append(7)  # the first token, as the engine commits it
+    scheduler.update(batch.prefills)
+    assert (long.num_computed_tokens, short.num_computed_tokens) == (40, 4)
+    assert scheduler.schedule().decodes == [long, short]
 
 
+def test_when_blocks_run_short_the_newest_is_preempted_and_comes_back_replaying_what_its_slot_lacks():
+    scheduler = _scheduler(num_slots=2, num_blocks=4)
+    [old], [new] = _request(prompt_len=20, max_tokens=40), _request(prompt_len=20, max_tokens=40)
+    scheduler.add([old])
+    scheduler.add([new])
+    batch = scheduler.schedule()
+    for seq in batch.prefills:
+        seq.token_ids.append(7)
+    scheduler.update(batch.prefills)
+    while new.status is SequenceStatus.RUNNING:  # old grows a block at a time until the pool is short
+        batch = scheduler.schedule()
+        for seq in batch.decodes:
+            seq.token_ids += [8, 9, 10, 11, 12]  # all four drafts accepted, and the bonus token
+        scheduler.update(batch.decodes)
+    assert list(scheduler.waiting) == [new] and new.slot is None, "the newest waits first in the queue"
+    assert old.status is SequenceStatus.RUNNING
+    old.finish = FinishReason.STOP
+    scheduler.release_finished()
+    batch = scheduler.schedule()
+    assert batch.decodes == [new] and batch.admitted == [], "it comes back to decode; the drafter has it already"
+    assert new.num_computed_tokens == 16, "its first block was cached when it left"
+    assert new.replay == new.token_ids[16:-1]
 def test_aborting_a_waiting_sequence_takes_it_out_of_the_queue():
     scheduler = _scheduler(num_slots=1)
     scheduler.add(_request())
