@@ -39,6 +39,7 @@ class DraftConfig:
     max_fanout: int = -1  # outcomes pre-drafted per proposal at most; -1: all, 0: off
     predraft_guesses: int = 3  # guesses at each recovered token, each an outcome to pre-draft
     max_predraft_depth: int = 4  # verifications ahead that pre-drafts reach at most, over a long link
+    lookahead: bool = True  # over a long link, lookup drafters draft up to max_k for the target to salvage
     probs_top_k: int = DEFAULT_TOP_K
     ngram_min_n: int = 1
     ngram_max_n: int = 4
@@ -115,6 +116,10 @@ HELP = {
                           "as many as a target's draft round trip spans of its step interval (both sent by the "
                           "target), so that the drafts for a step reach the target before it starts over a long "
                           "link; 1: only the outcomes of the proposal under verification",
+    "lookahead": "lookup drafters (ngram, suffix, suffix+model's suffix drafts): when a target's draft round "
+                 "trip spans a step, draft up to --max-k tokens rather than the sequence's k. The target commits "
+                 "tokens while a proposal travels; it verifies the drafts past them, and the longer proposal "
+                 "keeps k of those (--no-lookahead: k)",
     "probs_top_k": "K of the compressed draft probabilities sent for sampled requests (model drafter)",
     "ngram_min_n": "the shortest trailing n-gram that the ngram drafter looks up",
     "ngram_max_n": "the longest trailing n-gram that the ngram drafter looks up",

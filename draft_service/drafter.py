@@ -89,6 +89,9 @@ class DraftJob:
     # A pre-draft of the outcome "all drafts accepted": the drafter first appends its own guess at
     # the bonus token, then drafts after it.
     guess_next: bool = False
+    # A lookup drafter's fresh job over a link longer than a step: draft tokens beyond k. The target
+    # commits tokens while the proposal travels; it salvages the drafts past them, and these keep k left.
+    lookahead: int = 0
 
     @property
     def known_len(self) -> int:
@@ -102,6 +105,11 @@ class DraftJob:
     @property
     def is_predraft(self) -> bool:
         return self.num_assumed > 0 or self.guess_next
+
+    @property
+    def max_drafts(self) -> int:
+        """The most draft tokens a lookup drafter proposes for it."""
+        return self.sequence.k + self.lookahead
 
 
 @dataclass(frozen=True, slots=True)

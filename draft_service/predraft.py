@@ -173,18 +173,25 @@ class Predrafter:
         self._states: dict[SeqKey, SequenceState] = {}
         self._pending: dict[SeqKey, SequenceState] = {}
         self._in_flight: dict[int, tuple[SequenceState, Outcome]] = {}  # by id() of the round's jobs
-        self._depths: dict[int, int] = {}  # by stream: verifications ahead its target's timing asks for
+        self._spans: dict[int, int] = {}  # by stream: the target's steps its draft round trip spans, at least 1
         metrics.fanout_limit.set(self.fanout.limit)
 
     def on_timing(self, stream_id: int, round_trip_s: float, step_s: float) -> None:
         """A target's draft round trip and step interval: pre-drafts made as an Extend arrives reach
         it a round trip later, so they are for the verification that many steps on, and the ones before."""
-        depth = 1 if step_s <= 0 else min(self.max_depth, 1 + int(round_trip_s // step_s))
-        self._depths[stream_id] = depth
-        self._metrics.predraft_depth.set(depth)
+        self._spans[stream_id] = 1 if step_s <= 0 else 1 + int(round_trip_s // step_s)
+        self._metrics.predraft_depth.set(self.depth(stream_id))
+
+    def depth(self, stream_id: int) -> int:
+        """The verifications ahead that a stream's pre-drafts reach: 1 until its target tells its timing."""
+        return min(self.max_depth, self.spans(stream_id))
+
+    def spans(self, stream_id: int) -> int:
+        """The target's steps its draft round trip spans: more than 1 over a link longer than a step."""
+        return self._spans.get(stream_id, 1)
 
     def close_stream(self, stream_id: int) -> None:
-        self._depths.pop(stream_id, None)
+        self._spans.pop(stream_id, None)
 
     def open(self, sequence: DraftSequence) -> None:
         self._states[sequence.key] = SequenceState(sequence)
@@ -287,7 +294,7 @@ class Predrafter:
         before the depth its timing asks for."""
         if not state.sequence.accepts_assumed or not self.fanout.limit:
             return
-        depth = self._depths.get(state.sequence.key[0], 1)
+        depth = self.depth(state.sequence.key[0])
         frontier = [p for p in candidates if not p.expanded and p.depth < depth]
         outcomes = sorted((o for p in frontier for o in self._outcomes(p)
                            if (o.accepted, o.next_token) not in p.children), key=lambda o: -o.gain)

@@ -131,7 +131,7 @@ async def serve(config: DraftConfig) -> None:
     loaded = load_drafter(config)
     limits = Limits(vocab_size=loaded.info.vocab_size, max_model_len=config.max_model_len,
                     max_k=config.max_k, num_slots=config.num_slots,
-                    max_seqs_per_target=config.max_seqs_per_target)
+                    max_seqs_per_target=config.max_seqs_per_target, lookahead=config.lookahead)
     # Only a model has a distribution to guess recovered tokens from; the lookup drafters guess none.
     guesses = config.predraft_guesses if config.drafter in ("model", "suffix+model", "eagle3") else 1
     scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits,

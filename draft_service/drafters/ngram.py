@@ -71,7 +71,7 @@ class NgramDrafter:
             guess = lookup(job.tokens, 1, self.min_n, self.max_n) if job.guess_next else []
             if job.guess_next and not guess:
                 continue  # no guess at the bonus token: this outcome is not covered
-            token_ids = lookup(job.tokens + guess, job.sequence.k, self.min_n, self.max_n,
+            token_ids = lookup(job.tokens + guess, job.max_drafts, self.min_n, self.max_n,
                                _first_allowed(job, job.tokens + guess))
             if job.is_predraft and not token_ids:
                 continue  # "nothing" answers a prefix the target has sent, never an assumed one

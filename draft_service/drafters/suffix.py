@@ -106,7 +106,7 @@ class SuffixDrafter:
 
     def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Drafted]:
         """Lookups take microseconds: `stop` is never needed."""
-        drafts = [self.to_draft(job, self.propose(job, job.sequence.k + job.guess_next))
+        drafts = [self.to_draft(job, self.propose(job, job.max_drafts + job.guess_next))
                   for job in jobs if not job.sequence.closed]
         return [draft for draft in drafts if draft is not None]
 
@@ -146,7 +146,7 @@ class SuffixFrontDrafter:
         for job in jobs:
             if job.sequence.closed:
                 continue
-            suffix = NO_DRAFT if job.guess_next else self.suffix.propose(job, job.sequence.k)
+            suffix = NO_DRAFT if job.guess_next else self.suffix.propose(job, job.max_drafts)
             if (suffix.tokens and suffix.score >= self.confidence * job.sequence.k
                     and _follows_grammar(job, suffix.tokens)):
                 draft = self.suffix.to_draft(job, suffix)

@@ -16,7 +16,7 @@ VALUES = {
     "suffix_min_token_prob": 0.2, "suffix_cache_tokens": 1000, "suffix_confidence": 0.5, "grammar_cache_size": 32, "grace_seconds": 1.5,
     "log_level": "debug", "max_message_bytes": 1024, "tls_cert": "d.crt", "tls_key": "d.key", "tls_client_ca": "ca.crt",
 }
-SWITCHES = {"prefix_caching": False}  # --x / --no-x flags
+SWITCHES = {"prefix_caching": False, "lookahead": False}  # --x / --no-x flags
 
 
 def test_every_field_is_a_flag():

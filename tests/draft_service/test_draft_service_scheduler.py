@@ -122,3 +122,24 @@ async def test_a_long_prompt_prefilled_in_chunks_is_drafted_with_no_further_upda
             proposals.append(proposal)
     assert [(p.seq_id, p.base_len, len(p.token_ids)) for p in proposals] == [(1, 40, 0)] * 2 + [(1, 40, 4)]
     assert list(proposals[-1].token_ids) == greedy_generate(tiny_draft_model(), prompt, 4)
+
+
+REPEATING = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 3  # the n-gram drafter copies it on and on
+
+
+@pytest.mark.parametrize("timing, lookahead, expected", [
+    ({}, True, 4),  # a target that sends no timing: its link is short
+    ({"draft_round_trip_us": 5_000, "step_interval_us": 20_000}, True, 4),  # a round trip shorter than a step
+    ({"draft_round_trip_us": 45_000, "step_interval_us": 20_000}, True, 8),  # a long link: up to max_k
+    ({"draft_round_trip_us": 45_000, "step_interval_us": 20_000}, False, 4),  # --no-lookahead
+])
+async def test_over_a_long_link_a_lookup_drafter_drafts_up_to_max_k(timing, lookahead, expected):
+    """The target commits tokens while a fresh proposal travels, and verifies the drafts past them: a
+    proposal longer than k keeps k drafts for it."""
+    limits = Limits(vocab_size=100, max_model_len=64, max_k=8, num_slots=2, lookahead=lookahead)
+    async with running_scheduler(NgramDrafter(1, 4), DraftMetrics("test"), limits, max_fanout=0) as scheduler:
+        stream = scheduler.open_stream()
+        scheduler.apply(stream, pb.TargetUpdate(opens=[pb.SequenceOpen(seq_id=1, prompt_ids=REPEATING, k=4)],
+                                                **timing))
+        [proposal] = (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
+    assert list(proposal.token_ids) == (REPEATING[len(REPEATING) - 10:] * 2)[:expected]

@@ -22,9 +22,14 @@ def start_pair(tmp_path_factory, name: str, draft_args: list[str], target_args: 
                             log_path=logs / "draft.log").start()
     target = service_process("target_service", ["--threads", "1", "--max-model-len", "512", "--drafter",
                                                 draft.address, *target_args], log_path=logs / "target.log").start()
-    draft.wait_healthy()
-    target.wait_healthy()
-    wait_connected(target)
+    try:
+        draft.wait_healthy()
+        target.wait_healthy()
+        wait_connected(target)
+    except BaseException:  # a fixture whose setup fails gets no teardown: leave no service behind
+        target.kill()
+        draft.kill()
+        raise
     return draft, target
 
 

@@ -72,6 +72,7 @@ def test_a_valid_proposal_is_held_as_sent_with_its_q_prime_when_sampling_needs_i
     (_held(4, (7, 8, 9)), [4], 2, (7, 8), False),  # cut to the limit
     (_held(4, (7, 8, 9)), [4, 7], 4, (8, 9), True),  # from an older prefix, whose first draft was committed
     (_held(5, (8, 9), assumed=(7,)), [4, 7], 4, (8, 9), False),  # a pre-draft whose assumed token was committed
+    (_held(4, (7, 8, 9, 10, 11, 12, 13, 14)), [4, 7, 8], 4, (9, 10, 11, 12), True),  # a lookahead: k left past 2
 ])
 def test_the_drafts_that_continue_the_committed_tokens_are_usable(held, committed, limit, tokens, salvaged):
     match = match_proposal(held, PROMPT + committed, limit)
