@@ -12,6 +12,8 @@ import jsonschema
 import openai
 import pytest
 
+from target_service.front_doors.openai.responses.output import ResponseMeta, ResponseStream
+from target_service.front_doors.openai.responses.protocol import ResponsesRequest
 from target_service.front_doors.openai.responses.store import ResponseStore, StoredResponse
 
 MODEL = "smollm2-135m"
@@ -263,3 +265,16 @@ def test_a_stored_conversation_keeps_the_text_alone():
     messages = protocol.messages_of(kept)
     assert [(m.role, m.content) for m in messages] == [("user", "Weather?"), ("assistant", "It is\nsunny.")]
     assert messages[1].tool_calls[0].id == "call_1", "the call joins the answer before it"
+
+
+def test_events_built_but_never_sent_leave_no_gap_before_response_failed():
+    """A stream numbers its events as they are sent: a step whose events were built, then failed,
+    leaves the failed event right after the last one sent."""
+    meta = ResponseMeta("resp_1", 0, "smollm2-135m", ResponsesRequest.model_validate({"input": "Hi."}), stored=False)
+    stream = ResponseStream(meta, None)
+    sent = [stream.numbered(event) for event in stream.start()]
+    assert stream.feed("Hello", [], last=False), "the events of a step that never went out"
+    failed = stream.numbered(stream.failed("internal error"))
+    assert [event["sequence_number"] for event in [*sent, failed]] == [0, 1, 2]
+    assert failed["type"] == "response.failed"
+

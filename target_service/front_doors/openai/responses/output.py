@@ -78,14 +78,14 @@ class _Open:
 
 @dataclass(slots=True)
 class ResponseStream:
-    """One response's output as it grows, and its events (each numbered, from 0)."""
+    """One response's output as it grows, and its events (numbered from 0 as they are sent)."""
 
     meta: ResponseMeta
     choice: ToolChoice | None  # the request's tools may be called
     output: list[Item] = field(default_factory=list, init=False)
     _open: _Open | None = field(default=None, init=False)  # the item being written
     _calls: CallStream | None = field(default=None, init=False)
-    _number: int = field(default=0, init=False)  # the next event's sequence_number
+    _number: int = field(default=0, init=False)  # the next sent event's sequence_number
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -125,10 +125,15 @@ class ResponseStream:
         body = self.meta.body("failed", self.output, error={"code": "server_error", "message": message})
         return self._event("response.failed", response=body)
 
-    def _event(self, kind: str, **fields: Any) -> Event:
-        event = {"type": kind, "sequence_number": self._number, **fields}
+    def numbered(self, event: Event) -> Event:
+        """The event with its sequence_number, given as it is sent: events built but never sent (a
+        step that failed midway) leave no gap before the next."""
+        event["sequence_number"] = self._number
         self._number += 1
         return event
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        return {"type": kind, "sequence_number": None, **fields}
 
     def _added(self, item: Item) -> list[Event]:
         self._open = _Open(len(self.output), item)

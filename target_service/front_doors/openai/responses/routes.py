@@ -101,21 +101,21 @@ class ResponsesApi:
         A failure once the stream has started is a `response.failed` event."""
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
             try:
-                await _send(sse, stream.start())
+                await _send(sse, stream, stream.start())
                 async for output in self.server.serving.outputs([seq]):
                     if output.finish is FinishReason.ABORT:
-                        await _send(sse, [stream.failed(SERVER_ABORTED)])
+                        await _send(sse, stream, [stream.failed(SERVER_ABORTED)])
                         return sse
-                    await _send(sse, _feed(stream, piece, output))
+                    await _send(sse, stream, _feed(stream, piece, output))
                 events = stream.finish(seq)
-                await _send(sse, events)
+                await _send(sse, stream, events)
                 self._keep(stream.meta, *conversation, events[-1]["response"])  # once the client has it all
             except (ConnectionResetError, TimeoutError):
                 pass
             except Exception:
                 log.exception("%s: the stream failed", seq.request_id)
                 with contextlib.suppress(ConnectionResetError, TimeoutError):
-                    await _send(sse, [stream.failed("internal error; the server logged it")])
+                    await _send(sse, stream, [stream.failed("internal error; the server logged it")])
         return sse
 
     async def retrieve(self, request: web.Request) -> web.Response:
@@ -142,6 +142,6 @@ def _feed(stream: ResponseStream, piece: Callable[[Output], Piece], output: Outp
     return stream.feed(text, logprobs["content"] if logprobs else [], last=output.finish is not None)
 
 
-async def _send(sse: Any, events: list[Event]) -> None:
+async def _send(sse: Any, stream: ResponseStream, events: list[Event]) -> None:
     for event in events:
-        await sse.send(json.dumps(event), event=event["type"])
+        await sse.send(json.dumps(stream.numbered(event)), event=event["type"])
