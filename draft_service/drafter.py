@@ -89,9 +89,10 @@ class DraftJob:
     # A pre-draft of the outcome "all drafts accepted": the drafter first appends its own guess at
     # the bonus token, then drafts after it.
     guess_next: bool = False
-    # A lookup drafter's fresh job over a link longer than a step: draft tokens beyond k. The target
-    # commits tokens while the proposal travels; it salvages the drafts past them, and these keep k left.
-    lookahead: int = 0
+    # A lookup drafter's fresh job over a link longer than a step: the drafts to reach for, beyond k
+    # (0: k). The target commits tokens while the proposal travels; it verifies the drafts past them,
+    # and a longer proposal keeps k of those. Fixed when the job is made: the live k may change.
+    reach: int = 0
 
     @property
     def known_len(self) -> int:
@@ -109,7 +110,7 @@ class DraftJob:
     @property
     def max_drafts(self) -> int:
         """The most draft tokens a lookup drafter proposes for it."""
-        return self.sequence.k + self.lookahead
+        return max(self.sequence.k, self.reach)
 
 
 @dataclass(frozen=True, slots=True)

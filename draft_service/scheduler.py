@@ -363,18 +363,18 @@ class DraftScheduler:
             if sequence.paused:
                 self._predrafter.pause(sequence)
             elif not self._predrafter.covers(sequence):
-                fresh.append(DraftJob(sequence, committed, lookahead=self._lookahead(sequence)))
+                fresh.append(DraftJob(sequence, committed, reach=self._reach(sequence)))
         self._dirty.clear()
         if fresh:
             return Round(fresh, predraft=False, settled=settled)
         return Round(self._predrafter.take_jobs(), predraft=True, settled=settled)
 
-    def _lookahead(self, sequence: DraftSequence) -> int:
-        """Draft tokens beyond k for a fresh job: up to max_k when its target's round trip spans a step
-        (lookup drafters draft them for free; a model drafter ignores them)."""
+    def _reach(self, sequence: DraftSequence) -> int:
+        """The drafts a fresh job reaches for: max_k when its target's round trip spans a step (lookup
+        drafters draft them for free; a model drafter ignores them), else 0 (its k)."""
         if not self._limits.lookahead or self._predrafter.spans(sequence.key[0]) < 2:
             return 0
-        return max(self._limits.max_k - sequence.k, 0)
+        return self._limits.max_k
 
     def _round(self, slot_ops: list[SlotOp], work: Round) -> list[Drafted]:
         """On the drafter's thread: opens and closes in arrival order, then what the target committed, then a draft."""

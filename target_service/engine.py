@@ -201,7 +201,9 @@ class Engine:
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
         results, chunk_results = results[:len(items)], results[len(items):]
         for part, result in zip(chunks, chunk_results, strict=True):
-            seq = self.scheduler.sequences[part.seq_id]
+            seq = self.scheduler.sequences.get(part.seq_id)
+            if seq is None:  # released while the step ran (a drain aborts every sequence)
+                continue
             if result.features is not None:
                 self.speculator.keep_features(seq, part.start, result.features)
             if result.prompt_logprobs is not None:

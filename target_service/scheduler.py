@@ -153,7 +153,8 @@ class Scheduler:
         for seq in ran:
             seq.num_computed_tokens = len(seq.token_ids) - 1
         for part in chunks:
-            self.sequences[part.seq_id].num_computed_tokens = part.end
+            if (seq := self.sequences.get(part.seq_id)) is not None:  # else released while the step ran
+                seq.num_computed_tokens = part.end
 
     def release_finished(self) -> list[Sequence]:
         """Free the KV slots of the running sequences whose finish is set; returns them."""

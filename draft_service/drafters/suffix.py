@@ -146,9 +146,11 @@ class SuffixFrontDrafter:
         for job in jobs:
             if job.sequence.closed:
                 continue
-            suffix = NO_DRAFT if job.guess_next else self.suffix.propose(job, job.max_drafts)
+            suffix = NO_DRAFT if job.guess_next else self.suffix.propose(job, job.sequence.k)
             if (suffix.tokens and suffix.score >= self.confidence * job.sequence.k
                     and _follows_grammar(job, suffix.tokens)):
+                if job.max_drafts > job.sequence.k:  # confident on k drafts: reach further (a lookahead job)
+                    suffix = self.suffix.propose(job, job.max_drafts)
                 draft = self.suffix.to_draft(job, suffix)
                 if draft is not None:
                     drafts.append(draft)

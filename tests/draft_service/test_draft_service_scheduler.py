@@ -7,10 +7,12 @@ import asyncio
 import pytest
 import torch
 
+from draft_service.drafter import DraftJob, DraftSequence
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.scheduler import Limits
+from tandem_kernels.sampling import Sampling
 from bench.greedy import greedy_generate
 from tandem.v1 import drafter_pb2 as pb
 from tests.support.draft_schedulers import running_scheduler
@@ -143,3 +145,13 @@ async def test_over_a_long_link_a_lookup_drafter_drafts_up_to_max_k(timing, look
                                                 **timing))
         [proposal] = (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
     assert list(proposal.token_ids) == (REPEATING[len(REPEATING) - 10:] * 2)[:expected]
+
+
+def test_a_lookahead_job_reaches_as_far_as_when_it_was_made_whatever_k_becomes():
+    """The target may raise a sequence's k while a round drafts it: the job still proposes at most
+    the max_k it was made for, which the target accepts."""
+    sequence = DraftSequence((1, 1), list(REPEATING), Sampling(temperature=0.0), k=2)
+    job = DraftJob(sequence, list(REPEATING), reach=8)
+    sequence.k = 4
+    assert job.max_drafts == 8
+    assert DraftJob(sequence, list(REPEATING)).max_drafts == 4, "no reach: the sequence's k"
