@@ -29,13 +29,13 @@ class GenerationDoor(generation_pb2_grpc.GenerationServicer):
         try:
             async with self.serving.session(request) as session:
                 samples, choice = session.samples, session.tool_choice
-                answers = [""] * len(samples)  # each sample's text so far, read for calls at its end
+                answers: list[list[str]] = [[] for _ in samples]  # each sample's text deltas, read for calls at its end
                 async for output in self.serving.outputs(samples):
                     response = self._response(samples[output.index], output)
                     if choice is not None:
-                        answers[output.index] += output.text
+                        answers[output.index].append(output.text)
                         if output.finish in (FinishReason.STOP, FinishReason.LENGTH):
-                            _add_calls(response, choice, answers[output.index])
+                            _add_calls(response, choice, "".join(answers[output.index]))
                     yield response
         except RequestError as err:  # only the session's start raises it: nothing was sent yet
             await context.abort(err.code, err.message)
