@@ -1,6 +1,7 @@
 """Milliseconds per forward of decode and verify steps: what verifying k drafts costs, in decode steps.
 
     python -m bench.forward_speed [--threads 1,2] [--rounds 5] [--context 128] [--max-k 8] [--torch]
+                                  [--quantizations none,auto,q8_0,q4_0]
 
 Against a KV cache already holding `--context` tokens per sequence, batch 1 and batch 8: a decode
 (1 token per sequence) and a verify of k drafts (k + 1 tokens and logits per sequence) for k = 1 ..
@@ -8,6 +9,10 @@ Against a KV cache already holding `--context` tokens per sequence, batch 1 and 
 first). The variants run interleaved, round after round; the tables show each one's median, and
 verify / decode: the number of decode steps a verify costs, which is what decides how many drafts
 pay (a verify of k drafts adds 1 + alpha + ... + alpha^k tokens for that cost).
+
+--quantizations: each a variant too (tandem/quantization.py): none is the float path in each
+--dtypes, auto the GGUF's own block types (SmolLM2's Q4_1 and Q8_0), q8_0 / q4_0 the float
+matrices quantized at load.
 """
 from __future__ import annotations
 
@@ -24,9 +29,11 @@ import torch
 from tandem.config import ModelConfig
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import Backend, LlamaModel, ModelWeights, build_model
+from tandem.quantization import quantize
 
 
 def load_weights(model_name: str, random: bool) -> tuple[ModelConfig, ModelWeights]:
+    """The checkpoint's weights, GGUF block matrices kept as stored."""
     if random:
         from tandem.model.random_weights import SHAPES, random_weights
 
@@ -35,7 +42,7 @@ def load_weights(model_name: str, random: bool) -> tuple[ModelConfig, ModelWeigh
     from tandem.loaders import load_checkpoint
     from tandem.registry import resolve_model_path
 
-    return load_checkpoint(resolve_model_path(model_name))
+    return load_checkpoint(resolve_model_path(model_name), keep_blocks=True)
 
 
 def steps(context: int, max_k: int) -> dict[tuple[int, int], list[SequenceChunk]]:
@@ -69,6 +76,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--random", action="store_true", help="random weights of the model's shape")
     parser.add_argument("--dtypes", default="bfloat16")
+    parser.add_argument("--quantizations", default="none", help="comma-separated: none, auto, q8_0, q4_0")
     parser.add_argument("--threads", default="1", help="comma-separated thread counts for the native decoder")
     parser.add_argument("--torch", action="store_true", help="the PyTorch decoder too, at the first thread count")
     parser.add_argument("--context", type=int, default=128)
@@ -78,30 +86,35 @@ def main() -> None:
     args = parser.parse_args()
     thread_counts = [int(n) for n in args.threads.split(",")]
     config, weights = load_weights(args.model, args.random)
-    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    # (compute dtype, quantization) pairs
+    precisions = [(getattr(torch, name), quantization) for name in args.dtypes.split(",")
+                  for quantization in args.quantizations.split(",")]
     variants = ([("torch", thread_counts[0])] if args.torch else []) + [("native", n) for n in thread_counts]
     backends = sorted({backend for backend, _ in variants})
-    models = {(d, b): prefilled(config, weights, d, b, args.context) for d in dtypes for b in backends}
+    models = {(p, b): prefilled(config, quantize(weights, p[1], config, p[0], torch.device("cpu")), p[0], b,
+                                args.context)
+              for p in precisions for b in backends}
     cases = steps(args.context, args.max_k)
-    times: dict[tuple, list[float]] = {(c, d, v): [] for c in cases for d in dtypes for v in variants}
+    times: dict[tuple, list[float]] = {(c, p, v): [] for c in cases for p in precisions for v in variants}
     for _ in range(args.rounds):
-        for (case, dtype, (backend, threads)), samples in times.items():
+        for (case, precision, (backend, threads)), samples in times.items():
             torch.set_num_threads(threads)
-            model, chunks = models[dtype, backend], cases[case]
+            model, chunks = models[precision, backend], cases[case]
             model.run(chunks)  # untimed: the first forward after another variant's pays for its misses
             samples.append(time_ms(lambda: model.run(chunks), args.repeats))
     medians = {key: statistics.median(samples) for key, samples in times.items()}
     names = [f"{backend}@{threads}" for backend, threads in variants]
     print(f"model={args.model} context={args.context} rounds={args.rounds} repeats={args.repeats}  "
           f"(median ms per forward; xN: verify / decode of the same batch and variant)")
-    for dtype in dtypes:
+    for precision in precisions:
         for batch in (1, 8):
-            print(f"\n{str(dtype).removeprefix('torch.')}, batch {batch}")
+            print(f"\n{str(precision[0]).removeprefix('torch.')}, quantization {precision[1]}, batch {batch}")
             print(f"{'step':12}" + "".join(f"{name:>18}" for name in names))
             for k in range(args.max_k + 1):
                 label = "decode" if k == 0 else f"verify k={k}"
-                cells = [f"{medians[(batch, k), dtype, v]:8.1f} "
-                         f"(x{medians[(batch, k), dtype, v] / medians[(batch, 0), dtype, v]:4.2f})" for v in variants]
+                cells = [f"{medians[(batch, k), precision, v]:8.1f} "
+                         f"(x{medians[(batch, k), precision, v] / medians[(batch, 0), precision, v]:4.2f})"
+                         for v in variants]
                 print(f"{label:12}" + "".join(f"{c:>18}" for c in cells))
 
 

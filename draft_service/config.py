@@ -12,6 +12,7 @@ from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKEN
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
 from tandem.protos import MAX_PREDRAFT_DEPTH
 from tandem.registry import DEFAULT_DRAFT_MODEL
+from tandem.quantization import QUANTIZATION_HELP, QUANTIZATIONS
 from tandem.runtime import resolve_dtype
 from tandem.tls import ServerTls
 
@@ -29,6 +30,7 @@ class DraftConfig:
     drafter_target: str = ""  # a drafter file's target checkpoint; empty: the one the file names
     device: str = "cpu"
     dtype: str = "auto"  # bf16 for a drafter file, on CUDA and on CPUs with the native decoder, else fp32
+    quantization: str = "auto"  # model drafters: one of tandem.quantization.QUANTIZATIONS
     threads: int = 1  # torch threads; one core per service by default (docs/design/runtime.md, CPU threads)
     num_slots: int = 8
     prefix_caching: bool = True  # a closed sequence's slots keep their KV for a prompt with the same first tokens
@@ -59,7 +61,7 @@ class DraftConfig:
     def __post_init__(self) -> None:
         self.log_level = self.log_level.lower()
         _check_ranges(self)
-        for name, allowed in (("drafter", DRAFTER_KINDS), ("log_level", LOG_LEVELS)):
+        for name, allowed in (("drafter", DRAFTER_KINDS), ("log_level", LOG_LEVELS), ("quantization", QUANTIZATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         self.server_tls()
@@ -93,6 +95,7 @@ HELP = {
     "device": "torch device of the draft model: cpu, cuda, cuda:1, ...",
     "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 for a distilled drafter file, on CUDA and on "
              "x86 CPUs the native decoder runs on, else float32)",
+    "quantization": f"model drafters: {QUANTIZATION_HELP}",
     "threads": "torch CPU threads; give each service its own cores",
     "num_slots": "KV slots: sequences drafted at once; further Opens are refused",
     "prefix_caching": "model drafters: a closed sequence's KV slots keep their KV, and a new sequence whose tokens "

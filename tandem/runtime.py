@@ -16,6 +16,7 @@ from tandem.model import native
 from tandem.model.eagle3 import Eagle3Model
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE
 from tandem.model.llama import LlamaModel, build_model
+from tandem.quantization import keeps_blocks, quantize
 from tandem.registry import resolve_model_path
 from tandem.tokenizer import Tokenizer
 
@@ -63,13 +64,15 @@ def load_model(
     drafter_target: str = "",
     kv_cache_tokens: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """A checkpoint, or a distilled drafter file on its target (`drafter_target`, else the one it names).
 
     kv_cache_tokens: the KV pool's size; None: num_slots x max_model_len. block_size: positions per
-    KV block."""
+    KV block. quantization: one of QUANTIZATIONS (tandem/quantization.py)."""
     path = resolve_model_path(name_or_path)
     device = torch.device(device)
+    keep_blocks = keeps_blocks(quantization, device)
     draft_vocab = None
     if is_drafter_file(path):
         drafter = read_drafter_file(path)
@@ -80,10 +83,12 @@ def load_model(
             # Its layers are stored in bf16; bf16 compute also halves the bytes each draft token reads.
             dtype = torch.bfloat16
     else:
-        config, weights = load_checkpoint(path)
+        config, weights = load_checkpoint(path, keep_blocks)
     tokenizer = load_tokenizer(path)
     check_vocabulary(config, tokenizer)
-    model = build_model(config, weights, dtype=resolve_dtype(dtype, device), device=device,
+    dtype = resolve_dtype(dtype, device)
+    weights = quantize(weights, quantization, config, dtype, device)
+    model = build_model(config, weights, dtype=dtype, device=device,
                         num_slots=num_slots, max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens,
                         block_size=block_size)
     return LoadedModel(name=name_or_path, path=path, config=config, model=model, tokenizer=tokenizer,

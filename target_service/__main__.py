@@ -8,6 +8,7 @@ import logging
 from target_service.config import TargetConfig
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
 from tandem.grpc_server import install_event_loop, set_torch_threads
+from tandem.quantization import QUANTIZATION_HELP
 
 HELP = {
     "model": "embedded model name (smollm2-135m) or a path to a .gguf file or an HF folder",
@@ -20,6 +21,7 @@ HELP = {
                       "0 turns it off (VllmEngine is always on --port, behind the token)",
     "dtype": "auto, float32 or bfloat16 (auto: bfloat16 on CUDA and on x86 CPUs the native decoder runs on, "
              "else float32)",
+    "quantization": QUANTIZATION_HELP,
     "threads": "torch CPU threads; give each service its own cores",
     "max_num_seqs": "running sequences, each with its own KV block table",
     "kv_cache_tokens": "the KV cache's size in tokens, in whole blocks (0: max-num-seqs x max-model-len); "

@@ -8,6 +8,7 @@ from target_service.front_doors.tool_parsers import TOOL_PARSERS
 from target_service.speculation.addresses import DrafterAddresses
 from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, PAGE_SIZE
+from tandem.quantization import QUANTIZATIONS
 from tandem.tls import ClientTls, ServerTls, read_token
 
 
@@ -34,6 +35,7 @@ class TargetConfig:
     vllm_grpc_port: int = 0  # vLLM's engine protocol alone, without the bearer token, for a gateway; 0: off
     device: str = "cpu"
     dtype: str = "auto"  # bf16 on CUDA and on CPUs with the native decoder, else fp32
+    quantization: str = "auto"  # one of tandem.quantization.QUANTIZATIONS; auto: a GGUF in its own block types
     threads: int = 1  # torch threads; one core per service by default (docs/design/runtime.md, CPU threads)
     max_num_seqs: int = 8  # running sequences, one KV slot (block table) each
     max_model_len: int = 2048
@@ -105,6 +107,8 @@ class TargetConfig:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
         if self.auth_token and self.auth_token_file:
             raise ValueError("give --auth-token or --auth-token-file, not both")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
 
     def server_tls(self) -> ServerTls | None:
         return ServerTls.from_flags(self.tls_cert, self.tls_key, self.tls_client_ca)

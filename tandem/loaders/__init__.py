@@ -13,8 +13,9 @@ if TYPE_CHECKING:  # the loaders import torch; the tokenizer reads GGUF headers 
 __all__ = ["CheckpointError", "load_checkpoint"]
 
 
-def load_checkpoint(path: Path) -> tuple[ModelConfig, ModelWeights]:
-    """Reads config and float32 CPU weights from a .gguf file or an HF checkpoint folder."""
+def load_checkpoint(path: Path, keep_blocks: bool = False) -> tuple[ModelConfig, ModelWeights]:
+    """Reads config and float32 CPU weights from a .gguf file or an HF checkpoint folder; keep_blocks:
+    a GGUF's block-quantized matrices stay in their blocks."""
     if path.is_dir():
         from tandem.loaders.hf import load_hf_folder
 
@@ -22,5 +23,5 @@ def load_checkpoint(path: Path) -> tuple[ModelConfig, ModelWeights]:
     if path.suffix == ".gguf":
         from tandem.loaders.gguf_file import load_gguf
 
-        return load_gguf(path)
+        return load_gguf(path, keep_blocks)
     raise CheckpointError(f"{path} is neither a checkpoint folder nor a .gguf file")

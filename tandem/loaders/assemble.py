@@ -8,7 +8,8 @@ import torch
 
 from tandem.config import ModelConfig
 from tandem.loaders.errors import CheckpointError
-from tandem.model.llama import LayerWeights, ModelWeights
+from tandem.model.block_matrix import BlockMatrix
+from tandem.model.llama import LayerWeights, Matrix, ModelWeights
 
 
 # Canonical tensor roles; each loader maps its own names onto these.
@@ -17,12 +18,13 @@ LAYER_ROLES = ("attn_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "o", "m
 
 def assemble_weights(
     config: ModelConfig,
-    get: Callable[[str, int | None], torch.Tensor | None],
+    get: Callable[[str, int | None], Matrix | None],
     rope_inv_freq: torch.Tensor | None = None,
 ) -> ModelWeights:
-    """`get(role, layer)` returns a float32 tensor, or None when the checkpoint lacks it."""
+    """`get(role, layer)` returns a float32 tensor (or, for a matrix, GGUF blocks), or None when the
+    checkpoint lacks it."""
 
-    def need(role: str, layer: int | None = None) -> torch.Tensor:
+    def need(role: str, layer: int | None = None) -> Matrix:
         tensor = get(role, layer)
         if tensor is None:
             where = f" of layer {layer}" if layer is not None else ""
@@ -54,7 +56,10 @@ def assemble_weights(
     return weights
 
 
-def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+def _concat(parts: list[Matrix]) -> Matrix:
+    if all(isinstance(part, BlockMatrix) for part in parts):
+        return BlockMatrix.cat(parts)
+    parts = [part.dequantize() if isinstance(part, BlockMatrix) else part for part in parts]
     # numpy copies on one thread; torch.cat's intra-op threads took 10x longer on a busy 2-core machine.
     return torch.from_numpy(np.concatenate([part.numpy() for part in parts]))
 

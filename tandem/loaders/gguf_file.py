@@ -1,4 +1,4 @@
-"""GGUF files: config from the metadata, tensors dequantized, llama.cpp's Q/K row permutation undone."""
+"""GGUF files: config from the metadata, tensors dequantized or kept in blocks, llama.cpp's Q/K row permutation undone."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +13,8 @@ from tandem.loaders.errors import CheckpointError
 from tandem.loaders.assemble import assemble_weights
 from tandem.loaders.gguf_dequant import dequantize
 from tandem.loaders.gguf_reader import GGUFFile, GGUFTensorInfo
-from tandem.model.llama import ModelWeights
+from tandem.model.block_matrix import BLOCK_TYPES, BlockMatrix
+from tandem.model.llama import Matrix, ModelWeights
 from tandem.model.rope import rope_inv_freq
 
 _SUPPORTED_TYPES = {
@@ -44,23 +45,28 @@ _GGUF_NAMES = {
 }
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, ModelWeights]:
+_MATRIX_ROLES = ("embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down")
+
+
+def load_gguf(path: Path, keep_blocks: bool = False) -> tuple[ModelConfig, ModelWeights]:
+    """keep_blocks: matrices stored in one of BLOCK_TYPES stay in their blocks (views of the file)."""
     file = GGUFFile(path)
     tensors = file.tensors
     config = config_from_gguf(file.metadata, has_output="output.weight" in tensors)
     # llama.cpp permutes Q and K rows for its interleaved RoPE on "llama"; Qwen2 is left as is.
     permuted = config.architecture == "llama"
 
-    def get(role: str, layer: int | None) -> torch.Tensor | None:
+    def get(role: str, layer: int | None) -> Matrix | None:
         tensor = tensors.get(_GGUF_NAMES[role].format(i=layer))
         if tensor is None:
             return None
-        weight = _dequantize(file, tensor)
+        blocks = keep_blocks and role in _MATRIX_ROLES and tensor.ggml_type in BLOCK_TYPES
+        weight = file.tensor_data(tensor.name) if blocks else _dequantize(file, tensor)
         if permuted and role in ("q", "q_bias"):
             weight = _unpermute(weight, config.num_heads)
         elif permuted and role in ("k", "k_bias"):
             weight = _unpermute(weight, config.num_kv_heads)
-        return torch.from_numpy(weight)
+        return BlockMatrix.stored(weight, tensor.ggml_type) if blocks else torch.from_numpy(weight)
 
     inv_freq = None
     if "rope_freqs.weight" in tensors:  # Llama 3 scaling, stored as per-frequency divisors
@@ -112,7 +118,8 @@ def _dequantize(file: GGUFFile, tensor: GGUFTensorInfo) -> np.ndarray:
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Inverts llama.cpp's convert-time permutation of Q/K rows (pairs back into halves)."""
+    """Inverts llama.cpp's convert-time permutation of Q/K rows (pairs back into halves); rows may
+    be floats or stored blocks."""
     rows = weight.shape[0]
     rest = weight.shape[1:]
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)

@@ -1,6 +1,7 @@
 """One Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) written for serving."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -8,6 +9,7 @@ import torch
 
 from tandem.config import ModelConfig
 from tandem.model import native
+from tandem.model.block_matrix import BlockMatrix
 from tandem.model.batch import SequenceChunk
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from tandem.model.native_decoder import NativeBatch, NativeDecoder, supports as native_supports
@@ -19,41 +21,65 @@ from tandem.model.torch_decoder import TorchDecoder
 Backend = Literal["auto", "torch", "native"]
 
 
+# A weight matrix: a float tensor, or GGUF blocks as stored (the native CPU decoder multiplies those).
+Matrix = torch.Tensor | BlockMatrix
+_MATRICES = ("qkv", "o", "gate_up", "down")
+
+
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: Matrix  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    o: Matrix  # [hidden, heads * head_dim]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Matrix  # [2 * intermediate, hidden]
+    down: Matrix  # [hidden, intermediate]
 
 
 @dataclass(slots=True)
 class ModelWeights:
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: Matrix  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    lm_head: Matrix  # [vocab, hidden]; the embedding itself when tied
     rope_inv_freq: torch.Tensor | None = None  # set when the checkpoint stores its own frequencies
 
+    @property
+    def matrices(self) -> list[Matrix]:
+        return [self.embed, self.lm_head, *(getattr(layer, f) for layer in self.layers for f in _MATRICES)]
+
+    @property
+    def in_blocks(self) -> bool:
+        """Whether any matrix is kept in GGUF blocks."""
+        return any(isinstance(m, BlockMatrix) for m in self.matrices)
+
     def to(self, dtype: torch.dtype, device: torch.device) -> "ModelWeights":
-        def conv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+        """Float tensors converted; block matrices stay as stored."""
+        def conv(t: Matrix | None) -> Matrix | None:
+            if t is None or isinstance(t, BlockMatrix):
+                return t
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        return self._mapped(conv, conv)
+
+    def map_matrices(self, fn: Callable[[Matrix], Matrix]) -> "ModelWeights":
+        """The same weights with fn applied to every matrix (the embedding and head included)."""
+        return self._mapped(fn, lambda t: t)
+
+    def _mapped(self, matrix: Callable, other: Callable) -> "ModelWeights":
+        def layer(w: LayerWeights) -> LayerWeights:
+            return LayerWeights(*((matrix if f in _MATRICES else other)(getattr(w, f)) for f in LayerWeights.__slots__))
 
         tied = self.lm_head is self.embed
-        embed = conv(self.embed)
-        return ModelWeights(
-            embed=embed,
-            layers=[
-                LayerWeights(*(conv(getattr(layer, f)) for f in LayerWeights.__slots__))
-                for layer in self.layers
-            ],
-            norm=conv(self.norm),
-            lm_head=embed if tied else conv(self.lm_head),
-            rope_inv_freq=self.rope_inv_freq,
-        )
+        embed = matrix(self.embed)
+        return ModelWeights(embed=embed, layers=[layer(w) for w in self.layers], norm=other(self.norm),
+                            lm_head=embed if tied else matrix(self.lm_head), rope_inv_freq=self.rope_inv_freq)
+
+
+def dequantized(weights: ModelWeights) -> ModelWeights:
+    """Every block matrix as an fp32 tensor."""
+    return weights.map_matrices(lambda m: m.dequantize() if isinstance(m, BlockMatrix) else m)
 
 
 class LlamaModel:
@@ -160,9 +186,12 @@ def build_model(
         device.type == "cuda" and kernel_supports(config.head_dim))
     if static_steps and backend == "native":
         raise ValueError("cuda_graphs runs the PyTorch decoder: ask for backend 'torch' or 'auto'")
-    use_native = backend != "torch" and not static_steps and native_supports(config, dtype, device)
+    use_native = (backend != "torch" and not static_steps
+                  and native_supports(config, dtype, device, blocks=weights.in_blocks))
     if backend == "native" and not use_native:
         raise ValueError(f"the native CPU decoder can't run this model on {device} in {dtype}")
+    if weights.in_blocks and not use_native:  # only the native decoder multiplies blocks
+        weights = dequantized(weights)
     weights = weights.to(dtype, device)
     cache = KVCache(config, num_slots=num_slots, max_len=max_model_len, dtype=dtype, device=device,
                     transposed_keys=use_native, spare_slot=static_steps, block_size=block_size,

@@ -20,14 +20,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("decoder.c", "gemm.h", "pool.h", "vec.h")
+SOURCES = ("decoder.c", "blocks.h", "gemm.h", "pool.h", "vec.h")
 PANEL = 16  # output columns per packed panel (gemm.h)
 KEY_BLOCK = 16  # positions per block of the K cache (decoder.c)
+WEIGHTS_F32, WEIGHTS_BF16, WEIGHTS_BLOCKS = 0, 1, 2  # how a model's matrices are stored (gemm.h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +56,8 @@ _COMMON_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-Wno-psabi", "-pthrea
 # ---- the C structs (decoder.c, gemm.h) ---------------------------------------------------------
 
 class PackedMatrix(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int), ("cols", ctypes.c_int), ("panels", ctypes.c_int)]
+    _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int), ("cols", ctypes.c_int), ("panels", ctypes.c_int),
+                ("groups", ctypes.c_int)]
 
 
 class CLayer(ctypes.Structure):
@@ -67,7 +70,7 @@ class CModel(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int), ("intermediate", ctypes.c_int), ("num_layers", ctypes.c_int),
                 ("num_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
                 ("max_len", ctypes.c_int), ("pool_positions", ctypes.c_int64), ("block_tables", ctypes.c_void_p),
-                ("weights_bf16", ctypes.c_int), ("kv_bf16", ctypes.c_int),
+                ("weights_kind", ctypes.c_int), ("kv_bf16", ctypes.c_int),
                 ("eps", ctypes.c_float), ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
                 ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("lm_head", PackedMatrix),
                 ("layers", ctypes.POINTER(CLayer))]
@@ -95,7 +98,7 @@ class Library:
         self._gemm = lib.tandem_gemm
         self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(PackedMatrix), ctypes.c_int,
                                ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        self._gemm.restype = None
+        self._gemm.restype = ctypes.c_int
         self._argmax = lib.tandem_argmax
         self._argmax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         self._argmax.restype = None
@@ -105,11 +108,12 @@ class Library:
         if self._forward(ctypes.byref(model), ctypes.byref(batch), torch.get_num_threads()) < 0:
             raise MemoryError("the native decoder could not allocate its work buffers")
 
-    def gemm(self, x: torch.Tensor, matrix: PackedMatrix, bf16: bool) -> torch.Tensor:
-        """x [M, K] (bf16 for bf16 weights, else fp32), contiguous -> fp32 [M, panels * 16]."""
+    def gemm(self, x: torch.Tensor, matrix: PackedMatrix, kind: int) -> torch.Tensor:
+        """x [M, K] (bf16 for bf16 weights, else fp32), contiguous -> fp32 [M, panels * 16]; kind: WEIGHTS_*."""
         y = torch.empty(x.shape[0], matrix.panels * PANEL, dtype=torch.float32)
-        self._gemm(x.data_ptr(), x.shape[0], ctypes.byref(matrix), int(bf16), y.data_ptr(), y.shape[1],
-                   torch.get_num_threads())
+        if self._gemm(x.data_ptr(), x.shape[0], ctypes.byref(matrix), kind, y.data_ptr(), y.shape[1],
+                      torch.get_num_threads()) < 0:
+            raise MemoryError("the native decoder could not allocate its quantized input")
         return y
 
 
@@ -136,6 +140,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def packed_matrix(packed: torch.Tensor, rows: int) -> PackedMatrix:
     cols = packed.shape[1] * (2 if packed.dim() == 4 else 1)
     return PackedMatrix(packed.data_ptr(), rows, cols, packed.shape[0])
+
+
+def block_matrix(groups: np.ndarray, rows: int, cols: int) -> PackedMatrix:
+    """A matrix of GGUF block rows in groups: the table of BlockMatrix.groups."""
+    return PackedMatrix(groups.ctypes.data, rows, cols, -(-rows // PANEL), groups.shape[0])
 
 
 # ---- building and loading -----------------------------------------------------------------------

@@ -1,14 +1,21 @@
 """A model's weights and KV cache bound to the native CPU decoder (csrc/decoder.c)."""
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from gguf import GGMLQuantizationType
 
 from tandem.config import ModelConfig
 from tandem.model import native
 from tandem.model.batch import SequenceChunk
+from tandem.model.block_matrix import BLOCK_SIZE, BlockMatrix
 from tandem.model.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from tandem.model.llama import Matrix, ModelWeights
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +49,24 @@ class NativeBatch:
                    torch.tensor(out, dtype=torch.int32))
 
 
-def supports(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the native decoder can run this model here (else the PyTorch path does)."""
+def supports(config: ModelConfig, dtype: torch.dtype, device: torch.device, blocks: bool = False) -> bool:
+    """Whether the native decoder can run this model here (else the PyTorch path does); blocks:
+    with its matrices in GGUF blocks, whose inputs are quantized per head and per 32 columns."""
+    width = BLOCK_SIZE if blocks else 2
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and config.head_dim % native.KEY_BLOCK == 0 and config.hidden_size % 2 == 0
-            and config.intermediate_size % 2 == 0 and native.load() is not None)
+            and config.head_dim % native.KEY_BLOCK == 0 and config.head_dim % width == 0
+            and config.hidden_size % width == 0 and config.intermediate_size % width == 0
+            and native.load() is not None)
+
+
+def weights_kind(weights: ModelWeights) -> int:
+    """native.WEIGHTS_*: every matrix in blocks, or every one a tensor of one float dtype."""
+    blocks = [isinstance(m, BlockMatrix) for m in weights.matrices]
+    if all(blocks):
+        return native.WEIGHTS_BLOCKS
+    if any(blocks):
+        raise ValueError("the native decoder takes matrices all in GGUF blocks or all in one float dtype")
+    return native.WEIGHTS_BF16 if weights.embed.dtype == torch.bfloat16 else native.WEIGHTS_F32
 
 
 class NativeDecoder:
@@ -56,9 +76,10 @@ class NativeDecoder:
                  rope_sin: torch.Tensor, library: native.Library):
         """weights: ModelWeights already in the compute dtype; rope tables [>= cache positions, head_dim / 2]."""
         self.library = library
-        self.bf16 = weights.embed.dtype == torch.bfloat16
+        self.kind = weights_kind(weights)
+        self.block_types: set[GGMLQuantizationType] = set()  # of the matrices kept in blocks
         self.vocab_rows = weights.lm_head.shape[0]
-        self._keep: list[torch.Tensor] = []  # every tensor the C structs point at
+        self._keep: list[object] = []  # every array and struct the C structs point at
         tied = weights.lm_head is weights.embed  # then the C code reads embeddings from the packed head
         self._lm_head = self._packed(weights.lm_head)
         layers = [self._layer(w, kv_cache.k[i], kv_cache.v[i]) for i, w in enumerate(weights.layers)]
@@ -67,10 +88,10 @@ class NativeDecoder:
             hidden=config.hidden_size, intermediate=config.intermediate_size, num_layers=config.num_layers,
             num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
             max_len=kv_cache.positions, pool_positions=kv_cache.v[0].shape[1],
-            block_tables=self._ptr(kv_cache.block_tables), weights_bf16=int(self.bf16),
+            block_tables=self._ptr(kv_cache.block_tables), weights_kind=self.kind,
             kv_bf16=int(kv_cache.k[0].dtype == torch.bfloat16), eps=config.rms_norm_eps,
             rope_cos=self._ptr(rope_cos.float().contiguous()), rope_sin=self._ptr(rope_sin.float().contiguous()),
-            embed=None if tied else self._ptr(weights.embed.contiguous()),
+            embed=None if tied else self._embed(weights.embed),
             final_norm=self._ptr(weights.norm.float().contiguous()),
             lm_head=self._lm_head, layers=self._layers,
         )
@@ -100,8 +121,8 @@ class NativeDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [rows, vocab rows] of normed hidden states [rows, hidden]."""
-        x = hidden.to(torch.bfloat16 if self.bf16 else torch.float32).contiguous()
-        return self._trim(self.library.gemm(x, self._lm_head, self.bf16))
+        x = hidden.to(torch.bfloat16 if self.kind == native.WEIGHTS_BF16 else torch.float32).contiguous()
+        return self._trim(self.library.gemm(x, self._lm_head, self.kind))
 
     def _trim(self, padded: torch.Tensor) -> torch.Tensor:
         return padded if padded.shape[1] == self.vocab_rows else padded[:, : self.vocab_rows].contiguous()
@@ -115,10 +136,23 @@ class NativeDecoder:
             k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
         )
 
-    def _packed(self, weight: torch.Tensor) -> native.PackedMatrix:
+    def _packed(self, weight: Matrix) -> native.PackedMatrix:
+        if isinstance(weight, BlockMatrix):
+            self.block_types |= {part.ggml_type for part in weight.parts}
+            table, packed = weight.groups()
+            self._keep.extend((table, *packed))
+            return native.block_matrix(table, *weight.shape)
         packed = native.pack(weight)
         self._keep.append(packed)
         return native.packed_matrix(packed, weight.shape[0])
+
+    def _embed(self, embed: Matrix) -> int:
+        """Rows of the embedding, in the weights' element type, or a table of block rows."""
+        if isinstance(embed, BlockMatrix):
+            matrix = self._packed(embed)
+            self._keep.append(matrix)
+            return ctypes.addressof(matrix)
+        return self._ptr(embed.contiguous())
 
     def _ptr(self, tensor: torch.Tensor) -> int:
         self._keep.append(tensor)

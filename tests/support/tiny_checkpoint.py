@@ -10,12 +10,13 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 VOCAB = 32
 
 
-def write_tiny_model(folder: Path, seed: int, logit_scale: float = 12.0) -> Path:
-    """A 2-layer Llama over VOCAB tokens whose next-token distributions are spread, not peaked."""
+def write_tiny_model(folder: Path, seed: int, logit_scale: float = 12.0, head_dim: int = 16) -> Path:
+    """A 2-layer Llama over VOCAB tokens whose next-token distributions are spread, not peaked; 4
+    heads of head_dim (2 KV heads)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False)
     model = LlamaForCausalLM(config).eval()

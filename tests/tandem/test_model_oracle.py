@@ -6,7 +6,10 @@ import torch
 
 from bench.greedy import greedy_generate
 from tandem.model.batch import SequenceChunk
+from tandem.model import native
 from tandem.model.llama import build_model
+from tandem.runtime import load_model
+from tests.support.devices import needs_native
 
 CHAT = [
     {"role": "system", "content": "You are a concise assistant."},
@@ -56,6 +59,19 @@ def _hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
     return tokens
 
 
-def test_greedy_continuation_is_token_identical(model, hf_smollm2, chat_prompt_ids):
-    ours = greedy_generate(model, chat_prompt_ids, max_new_tokens=64)
-    assert ours == _hf_greedy(hf_smollm2, chat_prompt_ids, 64)
+@pytest.fixture(scope="module")
+def hf_greedy_tokens(hf_smollm2, chat_prompt_ids) -> list[int]:
+    return _hf_greedy(hf_smollm2, chat_prompt_ids, 64)
+
+
+def test_greedy_continuation_is_token_identical(model, hf_greedy_tokens, chat_prompt_ids):
+    assert greedy_generate(model, chat_prompt_ids, max_new_tokens=64) == hf_greedy_tokens
+
+
+@needs_native
+def test_the_gguf_run_in_its_own_blocks_keeps_the_greedy_text(smollm2_path, hf_greedy_tokens, chat_prompt_ids):
+    """Q4_1 and Q8_0 matrices multiplied as stored, with int16 activations: transformers dequantizes
+    the same file to fp32, and the text is the same."""
+    loaded = load_model(str(smollm2_path), num_slots=1, max_model_len=256)
+    assert loaded.model.decoder.kind == native.WEIGHTS_BLOCKS
+    assert greedy_generate(loaded.model, chat_prompt_ids, max_new_tokens=64) == hf_greedy_tokens

@@ -10,12 +10,13 @@ import torch.nn.functional as F
 
 from tandem.config import ModelConfig
 from tandem.model import native
+from tests.support.devices import needs_native
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import build_model
 from tandem.model.random_weights import SHAPES, random_weights
+from tandem.quantization import quantize
 
-ISAS = [isa.name for isa in native.runnable_isas()]
-pytestmark = pytest.mark.skipif(not ISAS or native.load() is None, reason="no x86 CPU with AVX2, or no gcc")
+pytestmark = needs_native
 
 # head_dim 64 and 128 take the specialized attention kernels; "tiny" (16) the generic one.
 CONFIGS = {
@@ -26,20 +27,15 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(params=ISAS)
-def isa(request, monkeypatch):
-    """Each build this CPU runs, chosen the way a user would: TANDEM_NATIVE_ISA."""
-    monkeypatch.setenv("TANDEM_NATIVE_ISA", request.param)
-    native.load.cache_clear()
-    yield native.load()
-    native.load.cache_clear()
-
-
 def _models(name: str, dtype: torch.dtype, max_len: int = 100, slots: int = 3):
     config = CONFIGS[name]
     weights = random_weights(config, seed=11)
     return [build_model(config, weights, dtype=dtype, device=torch.device("cpu"), num_slots=slots,
                         max_model_len=max_len, backend=backend) for backend in ("torch", "native")]
+
+
+def _kind(dtype: torch.dtype) -> int:
+    return native.WEIGHTS_BF16 if dtype == torch.bfloat16 else native.WEIGHTS_F32
 
 
 def _ids(config: ModelConfig, n: int, seed: int) -> list[int]:
@@ -80,12 +76,16 @@ def test_bf16_logits_are_as_close_to_fp32_as_the_pytorch_bf16_path(isa, name):
         assert ours_error <= max(1.5 * torch_error, 0.05 * exact.abs().max().item())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_does_not_depend_on_its_batch_or_the_thread_count(isa, dtype):
+@pytest.mark.parametrize("dtype, quantization", [(torch.float32, "none"), (torch.bfloat16, "none"),
+                                                 (torch.bfloat16, "q4_0"), (torch.bfloat16, "q8_0")])
+def test_a_row_does_not_depend_on_its_batch_or_the_thread_count(isa, dtype, quantization):
     """Bit for bit: greedy output with speculation stays identical to the target alone only if a
-    position's logits are the same in a decode step, a verify step or a batch of others."""
+    position's logits are the same in a decode step, a verify step or a batch of others. Block
+    weights (csrc/blocks.h) too."""
     config = CONFIGS["d64-gqa3"]
-    _, model = _models("d64-gqa3", dtype)
+    weights = quantize(random_weights(config, seed=11), quantization, config, dtype, torch.device("cpu"))
+    model = build_model(config, weights, dtype=dtype, device=torch.device("cpu"), num_slots=3, max_model_len=100,
+                        backend="native")
     prompt, other = _ids(config, 30, 3), _ids(config, 25, 4)
     model.run([SequenceChunk(0, 0, prompt)])
     model.run([SequenceChunk(1, 0, other)])
@@ -122,7 +122,7 @@ def test_gemm_matches_f_linear(isa, dtype, rows, out_features, in_features):
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     packed = native.pack(weight)
-    got = isa.gemm(x.contiguous(), native.packed_matrix(packed, out_features), dtype == torch.bfloat16)
+    got = isa.gemm(x.contiguous(), native.packed_matrix(packed, out_features), _kind(dtype))
     want = F.linear(x.double(), weight.double())
     assert got.shape == (rows, -(-out_features // 16) * 16)
     torch.testing.assert_close(got[:, :out_features].double(), want, atol=1e-4 * want.abs().max().item(), rtol=0)
@@ -138,13 +138,13 @@ def test_gemm_rows_do_not_depend_on_how_many_share_the_call(isa, dtype):
     x = torch.randn(23, 192, generator=gen).to(dtype)
     packed = native.pack(weight)  # the matrix points into it: keep it alive
     matrix = native.packed_matrix(packed, 112)
-    alone = torch.cat([isa.gemm(x[i:i + 1].contiguous(), matrix, dtype == torch.bfloat16) for i in range(23)])
+    alone = torch.cat([isa.gemm(x[i:i + 1].contiguous(), matrix, _kind(dtype)) for i in range(23)])
     threads = torch.get_num_threads()
     try:
         for count in (1, 3):
             torch.set_num_threads(count)
             for rows in range(1, 24):
-                got = isa.gemm(x[:rows].contiguous(), matrix, dtype == torch.bfloat16)
+                got = isa.gemm(x[:rows].contiguous(), matrix, _kind(dtype))
                 assert torch.equal(got, alone[:rows]), (count, rows)
     finally:
         torch.set_num_threads(threads)

@@ -43,11 +43,12 @@ typedef struct {
     int64_t pool_positions; /* pool blocks * KEY_BLOCK: one KV head's share of a layer's cache */
     const int32_t* block_tables;  /* [slots, max_len / KEY_BLOCK]: a slot's position p is in block
                                      block_tables[slot][p / KEY_BLOCK] */
-    int weights_bf16, kv_bf16;
+    int weights_kind, kv_bf16;  /* weights_kind: WEIGHTS_F32, WEIGHTS_BF16 or WEIGHTS_BLOCKS (gemm.h) */
     float eps;
     const float* rope_cos;  /* [max_len, head_dim / 2] */
     const float* rope_sin;
-    const void* embed;      /* [vocab, hidden] rows in the weight dtype; NULL: the packed lm_head's rows */
+    const void* embed;      /* [vocab, hidden] rows in the weight dtype, or a PackedMatrix of block
+                               groups; NULL: the lm_head's rows */
     const float* final_norm;
     PackedMatrix lm_head;
     const Layer* layers;
@@ -74,7 +75,7 @@ typedef struct {
     const Batch* b;
     Barrier barrier;
     float* hidden;   /* [T, hidden], the residual stream */
-    void* gin;       /* [T, widest K]: the next matrix multiply's input, fp32 or bf16 */
+    void* gin;       /* [T, widest K]: the next matrix multiply's input, fp32, bf16 or XBlocks */
     float* qkv;      /* [T, qkv ldy] */
     float* attn;     /* [T, heads * head_dim], fp32 weights only: the o projection's input */
     float* y;        /* [T, hidden ldy]: o and down projections */
@@ -85,14 +86,22 @@ typedef struct {
 
 static inline int ldy_of(const PackedMatrix* w) { return w->panels * PANEL; }
 
-/* Row `row` of a matrix multiply's input with `cols` columns, in the weights' element type. */
-static inline void put_input(const Model* m, void* gin, int row, int cols, const float* src) {
-    if (m->weights_bf16) {
-        uint16_t* dst = (uint16_t*)gin + (int64_t)row * cols;
-        for (int i = 0; i < cols; i++) dst[i] = f32_to_bf16(src[i]);
+/* Columns [col, col + n) of row `row` of a matrix multiply's input with `cols` columns, in the
+   form the weights take: fp32, bf16, or blocks of 32 (col and n multiples of 32). */
+static inline void put_input_at(const Model* m, void* gin, int row, int cols, int col, const float* src, int n) {
+    int64_t at = (int64_t)row * cols + col;
+    if (m->weights_kind == WEIGHTS_BLOCKS) {
+        quantize_row(src, n, (XBlock*)gin + at / QBLOCK);
+    } else if (m->weights_kind == WEIGHTS_BF16) {
+        uint16_t* dst = (uint16_t*)gin + at;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
     } else {
-        memcpy((float*)gin + (int64_t)row * cols, src, sizeof(float) * cols);
+        memcpy((float*)gin + at, src, sizeof(float) * n);
     }
+}
+
+static inline void put_input(const Model* m, void* gin, int row, int cols, const float* src) {
+    put_input_at(m, gin, row, cols, 0, src, cols);
 }
 
 static void rms_norm(const float* x, const float* weight, int n, float eps, float* out) {
@@ -110,8 +119,13 @@ static void rms_norm(const float* x, const float* weight, int n, float eps, floa
 
 static void embed_row(const Model* m, int64_t id, float* out) {
     int h = m->hidden;
+    if (m->weights_kind == WEIGHTS_BLOCKS) {
+        const PackedMatrix* rows = m->embed != NULL ? m->embed : &m->lm_head;
+        dequantize_row(rows->data, rows->groups, id, h, out);
+        return;
+    }
     if (m->embed != NULL) {
-        if (m->weights_bf16) {
+        if (m->weights_kind == WEIGHTS_BF16) {
             const uint16_t* row = (const uint16_t*)m->embed + id * h;
             for (int k = 0; k < h; k++) out[k] = bf16_to_f32(row[k]);
         } else {
@@ -120,7 +134,7 @@ static void embed_row(const Model* m, int64_t id, float* out) {
         return;
     }
     int64_t panel = id / PANEL, lane = id % PANEL;
-    if (m->weights_bf16) {  /* [panels, K/2, 16, 2] */
+    if (m->weights_kind == WEIGHTS_BF16) {  /* [panels, K/2, 16, 2] */
         const uint16_t* p = (const uint16_t*)m->lm_head.data + panel * h * PANEL;
         for (int k = 0; k < h; k++) out[k] = bf16_to_f32(p[(k / 2) * 2 * PANEL + lane * 2 + k % 2]);
     } else {                /* [panels, K, 16] */
@@ -305,12 +319,8 @@ static void attention_item(const Forward* f, const Layer* layer, int chunk, int 
         attend(m, k_cache, v_cache, table, queries, pos, nq, scores, outs);
         for (int q = 0; q < nq; q++) {
             int t = t0 + (first + q) / group, h = g * group + (first + q) % group;
-            if (m->weights_bf16) {
-                uint16_t* dst = (uint16_t*)f->gin + (int64_t)t * width + h * d;
-                for (int i = 0; i < d; i++) dst[i] = f32_to_bf16(outs[q][i]);
-            } else {
-                memcpy(f->attn + (int64_t)t * width + h * d, outs[q], sizeof(float) * d);
-            }
+            if (m->weights_kind == WEIGHTS_F32) memcpy(f->attn + (int64_t)t * width + h * d, outs[q], sizeof(float) * d);
+            else put_input_at(m, f->gin, t, width, h * d, outs[q], d);
         }
     }
 }
@@ -332,7 +342,7 @@ static void gemm_share(const Forward* f, const void* x, int rows, const PackedMa
     share(groups, tid, nt, &g0, &g1);
     *p0 = g0 * WIDE_PANELS;
     *p1 = g1 * WIDE_PANELS < w->panels ? g1 * WIDE_PANELS : w->panels;
-    gemm_range(x, rows, w, f->m->weights_bf16, *p0, *p1, y, ldy_of(w));
+    gemm_range(x, rows, w, f->m->weights_kind, *p0, *p1, y, ldy_of(w));
 }
 
 static void qkv_phase(const Forward* f, const Layer* layer, int tid, int nt) {
@@ -430,7 +440,7 @@ static void forward_job(void* arg, int tid, int nt) {
         barrier_wait(&f->barrier, nt, &sense);
         attention_phase(f, layer, tid, nt);
         barrier_wait(&f->barrier, nt, &sense);
-        gemm_share(f, m->weights_bf16 ? f->gin : (const void*)f->attn, b->num_tokens, &layer->o, f->y, tid, nt, &p0, &p1);
+        gemm_share(f, m->weights_kind == WEIGHTS_F32 ? (const void*)f->attn : f->gin, b->num_tokens, &layer->o, f->y, tid, nt, &p0, &p1);
         barrier_wait(&f->barrier, nt, &sense);
         residual_norm_phase(f, layer->mlp_norm, 1, ldy_of(&layer->o), tid, nt);
         barrier_wait(&f->barrier, nt, &sense);
@@ -474,7 +484,7 @@ typedef struct {
     const void* x;
     int rows;
     const PackedMatrix* w;
-    int bf16;
+    int kind;
     float* y;
     int ldy;
 } GemmJob;
@@ -484,13 +494,23 @@ static void gemm_job(void* arg, int tid, int nt) {
     int groups = (j->w->panels + WIDE_PANELS - 1) / WIDE_PANELS, g0, g1;
     share(groups, tid, nt, &g0, &g1);
     int p1 = g1 * WIDE_PANELS < j->w->panels ? g1 * WIDE_PANELS : j->w->panels;
-    gemm_range(j->x, j->rows, j->w, j->bf16, g0 * WIDE_PANELS, p1, j->y, j->ldy);
+    gemm_range(j->x, j->rows, j->w, j->kind, g0 * WIDE_PANELS, p1, j->y, j->ldy);
 }
 
-/* y[rows, ldy] = x @ W^T over all of W's panels; x in the weights' element type (bf16 pairs). */
-void tandem_gemm(const void* x, int rows, const PackedMatrix* w, int bf16, float* y, int ldy, int num_threads) {
-    GemmJob job = {x, rows, w, bf16, y, ldy};
+/* y[rows, ldy] = x @ W^T over all of W's panels; x in the weights' element type (bf16 pairs), or
+   fp32 for block rows, quantized here. Returns -1 when memory ran out, else 0. */
+int tandem_gemm(const void* x, int rows, const PackedMatrix* w, int kind, float* y, int ldy, int num_threads) {
+    XBlock* blocks = NULL;
+    if (kind == WEIGHTS_BLOCKS) {
+        int per_row = w->cols / QBLOCK;
+        if ((blocks = malloc(sizeof(XBlock) * ((int64_t)rows * per_row + 1))) == NULL) return -1;
+        for (int r = 0; r < rows; r++) quantize_row((const float*)x + (int64_t)r * w->cols, w->cols, blocks + (int64_t)r * per_row);
+        x = blocks;
+    }
+    GemmJob job = {x, rows, w, kind, y, ldy};
     pool_run(gemm_job, &job, num_threads);
+    free(blocks);
+    return 0;
 }
 
 /* Call once before anything else: 0 when this build can run here. AMX needs the kernel's leave to

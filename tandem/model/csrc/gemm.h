@@ -13,6 +13,7 @@
 #ifndef TANDEM_GEMM_H
 #define TANDEM_GEMM_H
 
+#include "blocks.h"
 #include "vec.h"
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
 #include <immintrin.h>
@@ -304,24 +305,37 @@ static void gemm_amx_range(const uint16_t* x, int M, int K, const uint16_t* w, i
 }
 #endif
 
-/* One matrix of the model: packed weights and their sizes. */
+/* How a model's matrices are stored, and so what their input rows are. */
+enum { WEIGHTS_F32 = 0, WEIGHTS_BF16 = 1, WEIGHTS_BLOCKS = 2 };
+
+/* One matrix of the model: packed weights (fp32, bf16) or groups of block rows, and its sizes. */
 typedef struct {
-    const void* data;
+    const void* data;  /* panels, or BlockGroup [groups] in row order */
     int rows;    /* N, output features */
     int cols;    /* K, input features */
     int panels;  /* ceil(N / 16) */
+    int groups;  /* block groups; 0 for panels */
 } PackedMatrix;
 
-/* x is fp32 [M, K] for fp32 weights, bf16 pairs [M, K/2] for bf16 weights. */
-static void gemm_range(const void* x, int M, const PackedMatrix* w, int bf16, int p0, int p1, float* y, int ldy) {
+/* Panels [p0, p1) of y. x is fp32 [M, K] for fp32 weights, bf16 pairs [M, K/2] for bf16 weights,
+   XBlock [M, K / 32] for block rows (whose padding columns past N come out 0). */
+static void gemm_range(const void* x, int M, const PackedMatrix* w, int kind, int p0, int p1, float* y, int ldy) {
     if (p0 >= p1) return;
+    if (kind == WEIGHTS_BLOCKS) {
+        int n1 = p1 * PANEL < w->rows ? p1 * PANEL : w->rows;
+        gemm_blocks_range((const XBlock*)x, M, w->cols, (const BlockGroup*)w->data, w->groups, p0 * PANEL, n1, y,
+                          ldy);
+        for (int m = 0; m < M; m++)
+            for (int n = n1; n < p1 * PANEL; n++) y[(int64_t)m * ldy + n] = 0.0f;
+        return;
+    }
 #if defined(__AMX_BF16__)
-    if (bf16) {
+    if (kind == WEIGHTS_BF16) {
         gemm_amx_range((const uint16_t*)x, M, w->cols, (const uint16_t*)w->data, p0, p1, y, ldy);
         return;
     }
 #else
-    if (bf16) {
+    if (kind == WEIGHTS_BF16) {
         gemm_bf16_range((const float*)x, M, w->cols / 2, (const float*)w->data, p0, p1, y, ldy);
         return;
     }
