@@ -24,6 +24,9 @@ _SUPPORTED_TYPES = {
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
 }
 
 _GGUF_NAMES = {

@@ -9,10 +9,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
 from tandem.loaders.gguf_dequant import dequantize
+from tandem.model import k_quants
 
-# The block types the native decoder multiplies as stored.
-BLOCK_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
-BLOCK_SIZE = 32  # weights per block of every type in BLOCK_TYPES
+# The block types the native decoder multiplies in their blocks.
+LEGACY_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+BLOCK_TYPES = (*LEGACY_TYPES, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+BLOCK_SIZE = 32  # weights per block of the legacy types, and per activation block
 GROUP_ROWS = 8  # rows the native decoder interleaves
 
 
@@ -47,7 +49,8 @@ class BlockMatrix:
 
     @classmethod
     def quantized(cls, weight: torch.Tensor, ggml_type: GGMLQuantizationType) -> "BlockMatrix":
-        """Float [rows, cols] (cols a multiple of 32) quantized to `ggml_type`, as llama.cpp's quantize does."""
+        """Float [rows, cols] (cols a multiple of 32) quantized to one of LEGACY_TYPES, as llama.cpp's
+        quantize does."""
         return cls.stored(quantize(weight.float().numpy(), ggml_type), ggml_type)
 
     @classmethod
@@ -67,7 +70,8 @@ class BlockMatrix:
         points into."""
         tables, packed, first = [], [], 0
         for part in self.parts:
-            data = _interleaved(part, self.cols)  # [groups, blocks * 8 * block bytes]
+            data = (_interleaved(part, self.cols) if part.ggml_type in LEGACY_TYPES
+                    else k_quants.interleaved(part.data, part.ggml_type, self.cols))  # [groups, bytes]
             rows = part.data.shape[0]
             table = np.empty((data.shape[0], 4), dtype=np.int64)
             table[:, 0] = data.ctypes.data + np.arange(data.shape[0], dtype=np.int64) * data.shape[1]

@@ -1,9 +1,11 @@
-"""Small GGUF files for tokenizer tests: tokenizer metadata and just enough of a llama header."""
+"""Small GGUF files: tokenizer metadata and just enough of a llama header for tokenizer tests, and a
+tiny model in K-quants."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import gguf
+import numpy as np
 
 
 def write_tokenizer_gguf(path: Path, model: str, tokens: list[str], scores: list[float] | None = None,
@@ -27,6 +29,61 @@ def write_tokenizer_gguf(path: Path, model: str, tokens: list[str], scores: list
     writer.add_bos_token_id(1 if len(tokens) > 1 else 0)
     writer.add_eos_token_id(2 if len(tokens) > 2 else 0)
     writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+K_QUANT_ROLES = {  # a Q4_K_M-like mix, and Q5_K for the attention output
+    "attn_q": gguf.GGMLQuantizationType.Q4_K, "attn_k": gguf.GGMLQuantizationType.Q4_K,
+    "attn_v": gguf.GGMLQuantizationType.Q6_K, "attn_output": gguf.GGMLQuantizationType.Q5_K,
+    "ffn_gate": gguf.GGMLQuantizationType.Q4_K, "ffn_up": gguf.GGMLQuantizationType.Q4_K,
+    "ffn_down": gguf.GGMLQuantizationType.Q6_K,
+}
+
+
+def random_k_blocks(rows: int, cols: int, ggml_type: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant superblocks, uint8 [rows, row bytes] (gguf has no K quantizer): random bytes,
+    with d (and dmin) small random fp16 values, so that the weights are of a model's size."""
+    block_bytes = gguf.GGML_QUANT_SIZES[ggml_type][1]
+    data = rng.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
+    high = 2e-4 if ggml_type == gguf.GGMLQuantizationType.Q6_K else 2e-3  # Q6_K's scales are int8
+    for at in [208] if ggml_type == gguf.GGMLQuantizationType.Q6_K else [0, 2]:  # d (and dmin)
+        data[..., at:at + 2] = rng.uniform(high / 20, high, data.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def write_k_quant_gguf(path: Path, seed: int = 0) -> Path:
+    """A 2-layer llama GGUF (hidden 256, 4 heads of 64, 2 KV heads, 512 MLP, 300 tokens, tied
+    embedding) whose matrices are random K-quant superblocks (K_QUANT_ROLES, Q6_K embedding)."""
+    rng = np.random.default_rng(seed)
+    hidden, inter, heads, kv_heads, vocab = 256, 512, 4, 2, 300
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}" for i in range(vocab)])
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * 64, hidden), "attn_v": (kv_heads * 64, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
+
+    def add(name: str, rows: int, cols: int, ggml_type: gguf.GGMLQuantizationType) -> None:
+        writer.add_tensor(name, random_k_blocks(rows, cols, ggml_type, rng), raw_dtype=ggml_type)
+
+    add("token_embd.weight", vocab, hidden, gguf.GGMLQuantizationType.Q6_K)
+    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+    for layer in range(2):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+        for role, ggml_type in K_QUANT_ROLES.items():
+            add(f"blk.{layer}.{role}.weight", *shapes[role], ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

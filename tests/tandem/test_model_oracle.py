@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from bench.greedy import greedy_generate
+from bench.greedy_oracle import hf_greedy
 from tandem.model.batch import SequenceChunk
 from tandem.model import native
 from tandem.model.llama import build_model
@@ -43,25 +44,9 @@ def test_logits_match_transformers(model, hf_smollm2, chat_prompt_ids):
     assert (ours - theirs).abs().max().item() <= 1e-3
 
 
-def _hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    """transformers' own incremental greedy loop, with its KV cache and no stop token.
-
-    generate(eos_token_id=None) is not used: in transformers 5.24 it changed a token whose logit
-    margin was 0.15 against the model's own forward pass, so it is no oracle for that case.
-    """
-    tokens, past, step_input = [], None, prompt_ids
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            out = model(torch.tensor([step_input]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-            step_input = tokens[-1:]
-    return tokens
-
-
 @pytest.fixture(scope="module")
 def hf_greedy_tokens(hf_smollm2, chat_prompt_ids) -> list[int]:
-    return _hf_greedy(hf_smollm2, chat_prompt_ids, 64)
+    return hf_greedy(hf_smollm2, chat_prompt_ids, 64)
 
 
 def test_greedy_continuation_is_token_identical(model, hf_greedy_tokens, chat_prompt_ids):

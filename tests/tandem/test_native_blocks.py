@@ -4,29 +4,45 @@ embedded GGUF's real tensors, and whole models against the PyTorch decoder on th
 (a block model's rows independent of their batch: test_native_decoder.py)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
+from bench.greedy import greedy_generate
+from bench.greedy_oracle import hf_greedy
 from tandem.config import ModelConfig
 from tandem.loaders import load_checkpoint
 from tandem.model import native
 from tests.support.devices import needs_native
+from tests.support.tiny_gguf import random_k_blocks, write_k_quant_gguf
 from tandem.model.batch import SequenceChunk
-from tandem.model.block_matrix import BLOCK_TYPES, BlockMatrix
+from tandem.model.block_matrix import BLOCK_TYPES, LEGACY_TYPES, BlockMatrix
 from tandem.model.llama import build_model, dequantized
 from tandem.model.random_weights import random_weights
 from tandem.quantization import quantize
 
 pytestmark = needs_native
 XMAX = 32767.0  # csrc/blocks.h: an activation block's largest magnitude, quantized
+K_TYPES = [t for t in BLOCK_TYPES if t not in LEGACY_TYPES]
 
 
 def _random_blocks(rows: int, cols: int, ggml_type: Q, seed: int) -> BlockMatrix:
     weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
     return BlockMatrix.quantized(weight, ggml_type)
+
+
+def _random_k_blocks(rows: int, cols: int, ggml_type: Q, seed: int) -> BlockMatrix:
+    return BlockMatrix.stored(random_k_blocks(rows, cols, ggml_type, np.random.default_rng(seed)), ggml_type)
+
+
+def _blocks(rows: int, cols: int, ggml_type: Q, seed: int) -> BlockMatrix:
+    if ggml_type in K_TYPES:
+        return _random_k_blocks(rows, cols, ggml_type, seed)
+    return _random_blocks(rows, cols, ggml_type, seed)
 
 
 def _gemm(isa, matrix: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +79,7 @@ def _same_arithmetic(matrix: BlockMatrix, x: torch.Tensor) -> tuple[np.ndarray, 
     return np.concatenate(results, axis=1), np.concatenate(magnitudes, axis=1)
 
 
-@pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", LEGACY_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13])
 @pytest.mark.parametrize("out_features, in_features", [(37, 96), (64, 32), (21, 576)])
 def test_gemm_is_the_block_arithmetic_and_close_to_the_float_matrix(isa, ggml_type, rows, out_features,
@@ -79,15 +95,32 @@ def test_gemm_is_the_block_arithmetic_and_close_to_the_float_matrix(isa, ggml_ty
     torch.testing.assert_close(got[:, :out_features].double(), dense, atol=1e-3 * dense.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5, 9])
+@pytest.mark.parametrize("out_features, in_features", [(37, 256), (16, 768)])
+def test_k_quant_gemm_is_close_to_the_dequantized_matrix(isa, ggml_type, rows, out_features, in_features):
+    """Dequantized by gguf's own reference; the error is the int16 activations' alone."""
+    matrix = _random_k_blocks(out_features, in_features, ggml_type, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(100 + rows))
+    got = _gemm(isa, matrix, x)
+    assert torch.equal(got[:, out_features:], torch.zeros_like(got[:, out_features:]))
+    weights = matrix.dequantize().double()
+    dense = x.double() @ weights.T
+    bound = 1e-4 * (x.double().abs() @ weights.abs().T)  # |activation error| <= |x| / 32767 per block
+    assert ((got[:, :out_features].double() - dense).abs() <= bound + 1e-6).all()
+
+
 def test_a_fused_matrix_may_mix_types_and_rows_do_not_depend_on_their_batch(isa):
-    """Parts of 13, 8 and 5 rows (groups padded inside each part), every row count from 1 to 20, at
-    1 and 3 threads: bit for bit what each part gives alone and what each row gives alone."""
-    parts = [_random_blocks(13, 64, Q.Q4_0, 1), _random_blocks(8, 64, Q.Q8_0, 2), _random_blocks(5, 64, Q.Q4_1, 3)]
+    """Parts of every type and of 3 to 13 rows (groups padded inside each part), every row count
+    from 1 to 20, at 1 and 3 threads: bit for bit what each part gives alone and what each row
+    gives alone."""
+    parts = [_blocks(rows, 256, ggml_type, seed) for seed, (rows, ggml_type) in
+             enumerate([(13, Q.Q4_0), (8, Q.Q6_K), (5, Q.Q4_1), (3, Q.Q4_K), (9, Q.Q8_0), (6, Q.Q5_K)])]
     fused = BlockMatrix.cat(parts)
-    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([_gemm(isa, fused, x[i:i + 1]) for i in range(20)])
     by_part = torch.cat([_gemm(isa, part, x)[:, :part.shape[0]] for part in parts], dim=1)
-    assert torch.equal(alone[:, :26], by_part)
+    assert torch.equal(alone[:, :44], by_part)
     threads = torch.get_num_threads()
     try:
         for count in (1, 3):
@@ -150,3 +183,60 @@ def test_block_models_match_the_pytorch_decoder_on_the_same_weights(isa, name, q
         want, got = reference.run(chunks), ours.run(chunks)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
+
+
+def test_a_model_of_k_quants_matches_the_pytorch_decoder(isa):
+    """Q4_K_M's mix (Q4_K, with Q6_K for v and the head) and Q5_K, an untied Q6_K embedding whose
+    rows come from the blocks; the down projection (384 wide, not a superblock's multiple) in
+    Q8_0. An fp32 KV cache on both sides, so that the int16 activations are the difference."""
+    config = CONFIGS["d128-untied"]
+    weights = random_weights(config, seed=5)
+    hidden, heads = config.hidden_size, config.num_heads * config.head_dim
+    seeds = iter(range(1000))
+
+    def k_matrix(rows: int, cols: int, ggml_type: Q) -> BlockMatrix:
+        return _random_k_blocks(rows, cols, ggml_type, next(seeds))
+
+    kv_width = config.num_kv_heads * config.head_dim
+    for layer in weights.layers:  # q|k in Q4_K, v in Q6_K
+        layer.qkv = BlockMatrix.cat([k_matrix(heads + kv_width, hidden, Q.Q4_K), k_matrix(kv_width, hidden, Q.Q6_K)])
+        layer.o = k_matrix(hidden, heads, Q.Q5_K)
+        layer.gate_up = k_matrix(2 * config.intermediate_size, hidden, Q.Q4_K)
+        layer.down = BlockMatrix.quantized(layer.down, Q.Q8_0)
+    weights.embed = k_matrix(config.vocab_size, hidden, Q.Q6_K)
+    weights.lm_head = k_matrix(config.vocab_size, hidden, Q.Q6_K)
+    ours, reference = (build_model(config, w, dtype=torch.float32, device=torch.device("cpu"), num_slots=2,
+                                   max_model_len=100, backend=backend)
+                       for w, backend in ((weights, "native"), (dequantized(weights), "torch")))
+    assert ours.decoder.block_types == {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0}
+    a = _ids(config, 29, 7)
+    for chunks in ([SequenceChunk(0, 0, a, num_logits=len(a))], [SequenceChunk(0, 29, [5, 6, 7], num_logits=3)]):
+        want, got = reference.run(chunks), ours.run(chunks)
+        torch.testing.assert_close(got, want, atol=2e-3 * want.abs().max().item(), rtol=0)
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory) -> Path:
+    return write_k_quant_gguf(tmp_path_factory.mktemp("k") / "tiny-k.gguf")
+
+
+def test_a_k_quant_gguf_runs_in_its_blocks_as_transformers_reads_it(isa, k_quant_gguf):
+    """Q4_K, Q5_K and Q6_K tensors written by gguf's writer: kept in blocks (q and k rows unpermuted
+    like the float loader's), and the model's logits and greedy text those of transformers loading
+    the same file."""
+    from transformers import AutoModelForCausalLM
+
+    config, weights = load_checkpoint(k_quant_gguf, keep_blocks=True)
+    _, floats = load_checkpoint(k_quant_gguf)
+    assert [p.ggml_type for p in weights.layers[0].qkv.parts] == [Q.Q4_K, Q.Q4_K, Q.Q6_K]
+    assert torch.equal(weights.layers[0].qkv.dequantize(), floats.layers[0].qkv)
+    model = build_model(config, weights, dtype=torch.float32, device=torch.device("cpu"), num_slots=1,
+                        max_model_len=64, backend="native")
+    hf = AutoModelForCausalLM.from_pretrained(str(k_quant_gguf.parent), gguf_file=k_quant_gguf.name,
+                                              dtype=torch.float32).eval()
+    prompt = list(range(3, 40))
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    got = model.run([SequenceChunk(0, 0, prompt, num_logits=len(prompt))])
+    torch.testing.assert_close(got, want, atol=2e-3 * want.abs().max().item(), rtol=0)
+    assert greedy_generate(model, prompt, 16, slot=0) == hf_greedy(hf, prompt, 16)

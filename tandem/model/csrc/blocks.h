@@ -1,5 +1,6 @@
 /* GGUF's block-quantized weights, multiplied in their blocks: Q4_0, Q4_1 and Q8_0 rows of
-   32-weight blocks, each with an fp16 scale (and, for Q4_1, an fp16 minimum).
+   32-weight blocks, each with an fp16 scale (and, for Q4_1, an fp16 minimum), and the K-quants
+   Q4_K, Q5_K and Q6_K (superblocks of 256, below).
 
    Activations are quantized per block of 32 too, to int16 with an fp32 scale and the scaled sum
    of the values. A block's dot product is then exact integer arithmetic (vpmaddwd), scaled once:
@@ -30,7 +31,7 @@
 #define BLOCK_TILE_ROWS 8    /* activation rows per tile: 6 int32 and 6 float accumulators */
 #define BLOCK_ROW_CHUNK 48   /* activation rows per pass over a matrix: 48 x K / 32 blocks of 72 bytes */
 
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };  /* GGML's type numbers */
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };  /* GGML's type numbers (K-quants below) */
 
 /* One block of an activation row: x ~ d * q, s = d * sum(q). */
 typedef struct {
@@ -165,24 +166,137 @@ static inline __attribute__((always_inline)) void group_dot(
     for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-typedef void (*group_dot_fn)(const uint8_t*, int, const XBlock*, int64_t, float*, int64_t);
-#define GROUP_DOT(TYPE, ROWS)                                                                      \
-    static void group_dot_##TYPE##_##ROWS(const uint8_t* g, int nb, const XBlock* x, int64_t ldx,  \
-                                          float* y, int64_t ldy) {                                 \
-        group_dot(g, nb, x, ldx, y, ldy, ROWS, GGML_##TYPE);                                       \
+/* ---- K-quants: Q4_K, Q5_K, Q6_K superblocks of 256 weights ------------------------------------
+
+   Decoded at load to their integers and interleaved per group of eight rows and superblock
+   (tandem/model/block_matrix.py, interleaved_k): the rows' fp16 d (and dmin), their scales (and
+   minimums) by sub-block, then eight windows of 32 weights, one per activation block: the
+   weights' low nibbles in the chunk layout of Q4 blocks, and the bits above them in planes whose
+   byte (row, t) holds, for Q5_K, bit 4 of weight 4k + t at bit k, and for Q6_K (two planes, k < 4
+   and k >= 4) bits 4-5 of weight 4k + t at bits 2(k % 4). The same bits as the file's, and about
+   its size (Q4_K +2.8%, Q5_K +2.3% for the unpacked six-bit scales; Q6_K the same).
+   Weights: Q4_K and Q5_K d * sc * q - dmin * m per sub-block of 32; Q6_K d * sc * (q - 32) per
+   sub-block of 16, two to a window. */
+enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+
+static inline int is_k_quant(int64_t type) { return type >= GGML_Q4_K && type <= GGML_Q6_K; }
+static inline int64_t super_bytes(int type) { return type == GGML_Q4_K ? 1184 : type == GGML_Q5_K ? 1440 : 1680; }
+static inline int window_bytes(int type) { return type == GGML_Q4_K ? 128 : type == GGML_Q5_K ? 160 : 192; }
+static inline int header_bytes(int type) { return type == GGML_Q6_K ? 144 : 160; }
+
+/* Set k's bits above the nibble, moved to bit 4 (Q5_K) or bits 4-5 (Q6_K) of each byte. Shifts of
+   16-bit lanes: the mask keeps only bits that came from the same byte. */
+static inline __m256i high_bits(__m256i plane, const int k, const int type) {
+    int shift = type == GGML_Q5_K ? 4 - k : 4 - 2 * (k % 4);
+    __m256i moved = shift >= 0 ? _mm256_slli_epi16(plane, shift) : _mm256_srli_epi16(plane, -shift);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(type == GGML_Q5_K ? 0x10 : 0x30));
+}
+
+/* As group_dot, for a group of K-quant superblocks (nblocks / 8 of them). */
+static inline __attribute__((always_inline)) void group_dot_k(
+    const uint8_t* group, int nblocks, const XBlock* x, int64_t ldx, float* y, int64_t ldy, const int rows,
+    const int type) {
+    const __m256i low = _mm256_set1_epi8(0x0f), first = widening(0, 0), second = widening(2, 0);
+    const __m256i offset = _mm256_set1_epi16(type == GGML_Q6_K ? 32 : 0);
+    __m256 acc[BLOCK_TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int s = 0; s < nblocks / 8; s++) {
+        const uint8_t* super = group + s * super_bytes(type);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)super));
+        __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(super + 16)));
+        for (int w = 0; w < 8; w++) {
+            const uint8_t* window = super + header_bytes(type) + w * window_bytes(type);
+            const XBlock* xw = x + s * 8 + w;
+            __m256i sums[2][BLOCK_TILE_ROWS];  /* Q6_K: weights 0-15 and 16-31 of the window apart */
+            for (int r = 0; r < rows; r++) sums[0][r] = sums[1][r] = _mm256_setzero_si256();
+            __m256i plane = _mm256_loadu_si256((const __m256i*)(window + 128)), upper = plane;
+            if (type == GGML_Q6_K) upper = _mm256_loadu_si256((const __m256i*)(window + 160));
+            for (int c = 0; c < 4; c++) {
+                __m256i packed = _mm256_loadu_si256((const __m256i*)(window + 32 * c));
+                __m256i lo = _mm256_and_si256(packed, low), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+                if (type != GGML_Q4_K) {
+                    lo = _mm256_or_si256(lo, high_bits(plane, c, type));
+                    hi = _mm256_or_si256(hi, high_bits(upper, c + 4, type));
+                }
+                __m256i v[2] = {_mm256_sub_epi16(_mm256_shuffle_epi8(lo, first), offset),
+                                _mm256_sub_epi16(_mm256_shuffle_epi8(lo, second), offset)};
+                pair_products(v, 2, 2 * c, xw, ldx, rows, sums[0]);
+                v[0] = _mm256_sub_epi16(_mm256_shuffle_epi8(hi, first), offset);
+                v[1] = _mm256_sub_epi16(_mm256_shuffle_epi8(hi, second), offset);
+                pair_products(v, 2, 8 + 2 * c, xw, ldx, rows, sums[type == GGML_Q6_K]);
+            }
+            if (type == GGML_Q6_K) {
+                const int8_t* sc = (const int8_t*)(super + 16) + 16 * w;  /* sub-blocks 2w, 2w + 1 */
+                __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)sc))));
+                __m256 b = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8)))));
+                for (int r = 0; r < rows; r++) {
+                    __m256 dx = _mm256_set1_ps(xw[r * ldx].d);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[0][r]), _mm256_mul_ps(a, dx), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[1][r]), _mm256_mul_ps(b, dx), acc[r]);
+                }
+            } else {
+                const uint8_t* sc = super + 32 + 8 * w;
+                __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)sc))));
+                __m256 min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 64)))));
+                for (int r = 0; r < rows; r++) {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[0][r]), _mm256_mul_ps(scale, _mm256_set1_ps(xw[r * ldx].d)), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(xw[r * ldx].s), acc[r]);
+                }
+            }
+        }
     }
-#define GROUP_DOTS(TYPE)                                                                           \
-    GROUP_DOT(TYPE, 1) GROUP_DOT(TYPE, 2) GROUP_DOT(TYPE, 3) GROUP_DOT(TYPE, 4) GROUP_DOT(TYPE, 5)   \
-    GROUP_DOT(TYPE, 6) GROUP_DOT(TYPE, 7) GROUP_DOT(TYPE, 8)                                        \
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+/* Weight v (0..255) of superblock s of row `lane` of a K-quant group, as gguf.quants.dequantize
+   computes it. */
+__attribute__((optimize("fp-contract=off"))) static float k_weight(const uint8_t* group, int type, int lane, int s,
+                                                                   int v) {
+    const uint8_t* super = group + s * super_bytes(type);
+    int w = v / 32, j = v % 32, k = j / 4, t = j % 4;
+    const uint8_t* window = super + header_bytes(type) + w * window_bytes(type);
+    uint8_t byte = window[(j % 16 / 4) * 32 + lane * 4 + t];
+    int q = j < 16 ? byte & 0x0f : byte >> 4;
+    if (type == GGML_Q5_K) q |= (window[128 + lane * 4 + t] >> k & 1) << 4;
+    if (type == GGML_Q6_K) q |= (window[(k < 4 ? 128 : 160) + lane * 4 + t] >> (2 * (k % 4)) & 3) << 4;
+    float d = fp16_at(super + 2 * lane);
+    if (type == GGML_Q6_K) {
+        float scale = d * (float)((const int8_t*)(super + 16))[(v / 16) * 8 + lane];
+        return scale * (float)(q - 32);
+    }
+    float scale = d * (float)super[32 + w * 8 + lane], min = fp16_at(super + 16 + 2 * lane) * (float)super[96 + w * 8 + lane];
+    return scale * (float)q - min;
+}
+
+typedef void (*group_dot_fn)(const uint8_t*, int, const XBlock*, int64_t, float*, int64_t);
+#define GROUP_DOT(KERNEL, TYPE, ROWS)                                                              \
+    static void KERNEL##_##TYPE##_##ROWS(const uint8_t* g, int nb, const XBlock* x, int64_t ldx,  \
+                                         float* y, int64_t ldy) {                                 \
+        KERNEL(g, nb, x, ldx, y, ldy, ROWS, GGML_##TYPE);                                          \
+    }
+#define GROUP_DOTS(KERNEL, TYPE)                                                                   \
+    GROUP_DOT(KERNEL, TYPE, 1) GROUP_DOT(KERNEL, TYPE, 2) GROUP_DOT(KERNEL, TYPE, 3)                \
+    GROUP_DOT(KERNEL, TYPE, 4) GROUP_DOT(KERNEL, TYPE, 5) GROUP_DOT(KERNEL, TYPE, 6)                \
+    GROUP_DOT(KERNEL, TYPE, 7) GROUP_DOT(KERNEL, TYPE, 8)                                           \
     static const group_dot_fn group_dots_##TYPE[BLOCK_TILE_ROWS + 1] = {                            \
-        NULL, group_dot_##TYPE##_1, group_dot_##TYPE##_2, group_dot_##TYPE##_3, group_dot_##TYPE##_4, \
-        group_dot_##TYPE##_5, group_dot_##TYPE##_6, group_dot_##TYPE##_7, group_dot_##TYPE##_8};
-GROUP_DOTS(Q4_0)
-GROUP_DOTS(Q4_1)
-GROUP_DOTS(Q8_0)
+        NULL, KERNEL##_##TYPE##_1, KERNEL##_##TYPE##_2, KERNEL##_##TYPE##_3, KERNEL##_##TYPE##_4,  \
+        KERNEL##_##TYPE##_5, KERNEL##_##TYPE##_6, KERNEL##_##TYPE##_7, KERNEL##_##TYPE##_8};
+GROUP_DOTS(group_dot, Q4_0)
+GROUP_DOTS(group_dot, Q4_1)
+GROUP_DOTS(group_dot, Q8_0)
+GROUP_DOTS(group_dot_k, Q4_K)
+GROUP_DOTS(group_dot_k, Q5_K)
+GROUP_DOTS(group_dot_k, Q6_K)
 
 static inline const group_dot_fn* group_dots(int64_t type) {
-    return type == GGML_Q4_0 ? group_dots_Q4_0 : type == GGML_Q4_1 ? group_dots_Q4_1 : group_dots_Q8_0;
+    switch (type) {
+        case GGML_Q4_0: return group_dots_Q4_0;
+        case GGML_Q4_1: return group_dots_Q4_1;
+        case GGML_Q8_0: return group_dots_Q8_0;
+        case GGML_Q4_K: return group_dots_Q4_K;
+        case GGML_Q5_K: return group_dots_Q5_K;
+        default: return group_dots_Q6_K;
+    }
 }
 
 /* One group's rows for all M activation rows (x: [M, nblocks]), in even tiles of at most
@@ -231,6 +345,10 @@ __attribute__((optimize("fp-contract=off"))) static void dequantize_row(const Bl
     }
     const BlockGroup* g = groups + lo;
     int lane = (int)(n - g->first_row), type = (int)g->type;
+    if (is_k_quant(type)) {
+        for (int v = 0; v < cols; v++) out[v] = k_weight(g->data, type, lane, v / 256, v % 256);
+        return;
+    }
     int64_t size = 8 * block_bytes(type);
     for (int b = 0; b < cols / QBLOCK; b++) {
         const uint8_t* block = g->data + b * size;
