@@ -1,10 +1,17 @@
-"""Triton when it is installed: CPU-only installs run the PyTorch references and never launch."""
+"""Triton where it can launch (a GPU, or its interpreter): elsewhere the PyTorch references run."""
 from __future__ import annotations
 
 import os
 from typing import Callable
 
+import torch
+
+# Imported only where it can launch (a GPU, or its interpreter), or where TANDEM_TRITON=1 asks for
+# its compiler (compiling for a GPU elsewhere): 90 MB resident on a CPU server.
 try:
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+            or os.environ.get("TANDEM_TRITON") == "1"):
+        raise ImportError("no GPU, no interpreter, and no TANDEM_TRITON=1")
     import triton
     import triton.language as tl
 except ImportError:

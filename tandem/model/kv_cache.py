@@ -1,6 +1,10 @@
 """A paged KV cache: a pool of fixed-size blocks, and a block table per sequence slot."""
 from __future__ import annotations
 
+import mmap
+import math
+
+import numpy as np
 import torch
 
 from tandem.config import ModelConfig
@@ -63,8 +67,8 @@ class KVCache:
         v_shape = (config.num_kv_heads, pages * PAGE_SIZE, config.head_dim)
         k_shape = (config.num_kv_heads, pages, config.head_dim, PAGE_SIZE) if transposed_keys else v_shape
         # Zeros, not empty: masked-out entries are multiplied by a zero weight, and 0 * NaN = NaN.
-        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.k = [_zeros(k_shape, dtype, device) for _ in range(config.num_layers)]
+        self.v = [_zeros(v_shape, dtype, device) for _ in range(config.num_layers)]
         self.transposed_keys = transposed_keys
         self.num_slots = num_slots
         self.max_len = max_len
@@ -215,3 +219,12 @@ class KVCache:
                 k[:, dst // PAGE_SIZE, :, dst % PAGE_SIZE] = k[:, src // PAGE_SIZE, :, src % PAGE_SIZE]
             else:
                 k[:, dst] = k[:, src]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros; on CPU in anonymous memory that the OS zero-fills a page at a time on first
+    write, so that the blocks no sequence has written yet take no resident memory."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = np.frombuffer(mmap.mmap(-1, max(math.prod(shape) * dtype.itemsize, 1)), dtype=np.uint8)  # keeps the map
+    return torch.from_numpy(pages).view(dtype)[: math.prod(shape)].view(shape)

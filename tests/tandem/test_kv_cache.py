@@ -1,6 +1,8 @@
 """Cache correctness: incremental = full recompute, mixed batches = each alone, rollback = never seen."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -233,3 +235,23 @@ def test_a_block_is_block_size_positions_of_consecutive_pages():
     for size in (8, 24, 0):
         with pytest.raises(ValueError, match="multiple of 16"):
             KVCache(SHAPES["tiny"], 1, 64, torch.float32, torch.device("cpu"), block_size=size)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from Linux's /proc")
+def test_a_cpu_pool_takes_memory_only_for_the_blocks_written():
+    """A CPU server's pool is sized for the worst case; until a sequence writes a block, it costs no
+    resident memory (and it still reads as zeros)."""
+    config = SHAPES["llama-3.2-1b"]  # 16 layers x 2 x 8 KV heads x 64: 32 KB per position in bf16
+    before = _resident_bytes()
+    cache = KVCache(config, num_slots=8, max_len=2048, dtype=torch.bfloat16, device=torch.device("cpu"))
+    pool = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+    assert pool == 8 * 2048 * 32 * 1024
+    assert _resident_bytes() - before < pool / 50
+    cache.v[3][:, : 4 * PAGE_SIZE] = 1.0  # one slot's first four pages of one layer
+    assert _resident_bytes() - before < pool / 50
+    assert cache.k[3].count_nonzero() == 0 and cache.v[3].count_nonzero() == 8 * 4 * PAGE_SIZE * 64

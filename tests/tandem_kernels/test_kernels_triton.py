@@ -277,7 +277,7 @@ def test_kernels_compile_for_sm90():
         print("compiled", len(jobs))
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TANDEM_TRITON": "1"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     root = Path(__file__).parents[2]
     run = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300)
