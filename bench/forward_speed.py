@@ -1,7 +1,8 @@
 """Milliseconds per forward of decode and verify steps: what verifying k drafts costs, in decode steps.
 
     python -m bench.forward_speed [--threads 1,2] [--rounds 5] [--context 128] [--max-k 8] [--torch]
-                                  [--quantizations none,auto,q8_0,q4_0]
+                                  [--quantizations none,auto,q8_0,q4_0] [--isas avx2,avx512_bf16]
+                                  [--random --model llama-3.2-1b --block-types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K]
 
 Against a KV cache already holding `--context` tokens per sequence, batch 1 and batch 8: a decode
 (1 token per sequence) and a verify of k drafts (k + 1 tokens and logits per sequence) for k = 1 ..
@@ -12,7 +13,9 @@ pay (a verify of k drafts adds 1 + alpha + ... + alpha^k tokens for that cost).
 
 --quantizations: each a variant too (tandem/quantization.py): none is the float path in each
 --dtypes, auto the GGUF's own block types (SmolLM2's Q4_1 and Q8_0), q8_0 / q4_0 the float
-matrices quantized at load.
+matrices quantized at load. --block-types (with --random): the model's shapes with every matrix
+in random blocks of each GGML type, each a variant. --isas: the native decoder's builds
+(tandem/model/native.py) to compare, each a variant; by default the best this CPU runs.
 """
 from __future__ import annotations
 
@@ -25,18 +28,19 @@ from collections.abc import Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from gguf import GGMLQuantizationType
 
 from tandem.config import ModelConfig
+from tandem.model import native
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import Backend, LlamaModel, ModelWeights, build_model
+from tandem.model.random_weights import SHAPES, random_block_weights, random_weights
 from tandem.quantization import quantize
 
 
 def load_weights(model_name: str, random: bool) -> tuple[ModelConfig, ModelWeights]:
     """The checkpoint's weights, GGUF block matrices kept as stored."""
     if random:
-        from tandem.model.random_weights import SHAPES, random_weights
-
         config = SHAPES[model_name]
         return config, random_weights(config)
     from tandem.loaders import load_checkpoint
@@ -55,8 +59,10 @@ def steps(context: int, max_k: int) -> dict[tuple[int, int], list[SequenceChunk]
     return cases
 
 
-def prefilled(config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, backend: Backend,
+def prefilled(config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, backend: Backend, isa: str,
               context: int) -> LlamaModel:
+    os.environ["TANDEM_NATIVE_ISA"] = isa  # the native build native.load() picks ("": the best), as the tests do
+    native.load.cache_clear()
     model = build_model(config, weights, dtype=dtype, device=torch.device("cpu"), num_slots=8,
                         max_model_len=context + 16, backend=backend)
     prompt = list(range(2000, 2000 + context))
@@ -77,6 +83,8 @@ def main() -> None:
     parser.add_argument("--random", action="store_true", help="random weights of the model's shape")
     parser.add_argument("--dtypes", default="bfloat16")
     parser.add_argument("--quantizations", default="none", help="comma-separated: none, auto, q8_0, q4_0")
+    parser.add_argument("--block-types", default="", help="with --random: comma-separated GGML types")
+    parser.add_argument("--isas", default="", help="comma-separated native builds (avx2, avx512, avx512_bf16, amx)")
     parser.add_argument("--threads", default="1", help="comma-separated thread counts for the native decoder")
     parser.add_argument("--torch", action="store_true", help="the PyTorch decoder too, at the first thread count")
     parser.add_argument("--context", type=int, default=128)
@@ -86,36 +94,40 @@ def main() -> None:
     args = parser.parse_args()
     thread_counts = [int(n) for n in args.threads.split(",")]
     config, weights = load_weights(args.model, args.random)
-    # (compute dtype, quantization) pairs
-    precisions = [(getattr(torch, name), quantization) for name in args.dtypes.split(",")
-                  for quantization in args.quantizations.split(",")]
-    variants = ([("torch", thread_counts[0])] if args.torch else []) + [("native", n) for n in thread_counts]
-    backends = sorted({backend for backend, _ in variants})
-    models = {(p, b): prefilled(config, quantize(weights, p[1], config, p[0], torch.device("cpu")), p[0], b,
-                                args.context)
-              for p in precisions for b in backends}
+    # (compute dtype, quantization or block type) -> weights
+    weight_sets = {(getattr(torch, name), quantization): quantize(weights, quantization, config, getattr(torch, name),
+                                                                  torch.device("cpu"))
+                   for name in args.dtypes.split(",") for quantization in args.quantizations.split(",")}
+    for name in filter(None, args.block_types.split(",")):
+        weight_sets[torch.bfloat16, name] = random_block_weights(config, GGMLQuantizationType[name])
+    precisions = list(weight_sets)
+    isas = args.isas.split(",") if args.isas else [""]
+    variants = (([("torch", thread_counts[0], "")] if args.torch else [])
+                + [("native", n, isa) for isa in isas for n in thread_counts])
+    models = {(p, backend, isa): prefilled(config, weight_sets[p], p[0], backend, isa, args.context)
+              for p in precisions for backend, isa in {(v[0], v[2]) for v in variants}}
     cases = steps(args.context, args.max_k)
     times: dict[tuple, list[float]] = {(c, p, v): [] for c in cases for p in precisions for v in variants}
     for _ in range(args.rounds):
-        for (case, precision, (backend, threads)), samples in times.items():
+        for (case, precision, (backend, threads, isa)), samples in times.items():
             torch.set_num_threads(threads)
-            model, chunks = models[precision, backend], cases[case]
+            model, chunks = models[precision, backend, isa], cases[case]
             model.run(chunks)  # untimed: the first forward after another variant's pays for its misses
             samples.append(time_ms(lambda: model.run(chunks), args.repeats))
     medians = {key: statistics.median(samples) for key, samples in times.items()}
-    names = [f"{backend}@{threads}" for backend, threads in variants]
+    names = [f"{backend}{'-' + isa if isa else ''}@{threads}" for backend, threads, isa in variants]
     print(f"model={args.model} context={args.context} rounds={args.rounds} repeats={args.repeats}  "
           f"(median ms per forward; xN: verify / decode of the same batch and variant)")
     for precision in precisions:
         for batch in (1, 8):
             print(f"\n{str(precision[0]).removeprefix('torch.')}, quantization {precision[1]}, batch {batch}")
-            print(f"{'step':12}" + "".join(f"{name:>18}" for name in names))
+            print(f"{'step':12}" + "".join(f"{name:>24}" for name in names))
             for k in range(args.max_k + 1):
                 label = "decode" if k == 0 else f"verify k={k}"
                 cells = [f"{medians[(batch, k), precision, v]:8.1f} "
                          f"(x{medians[(batch, k), precision, v] / medians[(batch, 0), precision, v]:4.2f})"
                          for v in variants]
-                print(f"{label:12}" + "".join(f"{c:>18}" for c in cells))
+                print(f"{label:12}" + "".join(f"{c:>24}" for c in cells))
 
 
 if __name__ == "__main__":

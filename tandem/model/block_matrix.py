@@ -15,7 +15,6 @@ from tandem.model import k_quants
 LEGACY_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 BLOCK_TYPES = (*LEGACY_TYPES, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 BLOCK_SIZE = 32  # weights per block of the legacy types, and per activation block
-GROUP_ROWS = 8  # rows the native decoder interleaves
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,38 +63,38 @@ class BlockMatrix:
         rows = [dequantize(part.data, part.ggml_type) for part in self.parts]
         return torch.from_numpy(np.concatenate(rows) if len(rows) > 1 else rows[0])
 
-    def groups(self) -> tuple[np.ndarray, list[np.ndarray]]:
-        """The rows interleaved in groups of eight, as csrc/blocks.h's BlockGroup reads them: the
-        group table, int64 [groups, 4] (address, GGML type, first row, rows), and the arrays it
-        points into."""
+    def groups(self, group_rows: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The rows interleaved in groups of group_rows (the native build's vector lanes: 8 for AVX2,
+        16 for AVX-512), as csrc/blocks.h's BlockGroup reads them: the group table, int64
+        [groups, 4] (address, GGML type, first row, rows), and the arrays it points into."""
         tables, packed, first = [], [], 0
         for part in self.parts:
-            data = (_interleaved(part, self.cols) if part.ggml_type in LEGACY_TYPES
-                    else k_quants.interleaved(part.data, part.ggml_type, self.cols))  # [groups, bytes]
+            data = (_interleaved(part, self.cols, group_rows) if part.ggml_type in LEGACY_TYPES
+                    else k_quants.interleaved(part.data, part.ggml_type, self.cols, group_rows))  # [groups, bytes]
             rows = part.data.shape[0]
             table = np.empty((data.shape[0], 4), dtype=np.int64)
             table[:, 0] = data.ctypes.data + np.arange(data.shape[0], dtype=np.int64) * data.shape[1]
             table[:, 1] = int(part.ggml_type)
-            table[:, 2] = first + np.arange(0, rows, GROUP_ROWS)
-            table[:, 3] = np.minimum(GROUP_ROWS, rows - np.arange(0, rows, GROUP_ROWS))
+            table[:, 2] = first + np.arange(0, rows, group_rows)
+            table[:, 3] = np.minimum(group_rows, rows - np.arange(0, rows, group_rows))
             tables.append(table)
             packed.append(data)
             first += rows
         return np.concatenate(tables), packed
 
 
-def _interleaved(part: BlockPart, cols: int) -> np.ndarray:
-    """[rows, row bytes] -> [ceil(rows / 8), blocks * 8 * block bytes]: per block, the eight rows'
-    scales, (Q4_1) minimums, then 32-byte chunks of four bytes from each row."""
+def _interleaved(part: BlockPart, cols: int, group_rows: int) -> np.ndarray:
+    """[rows, row bytes] -> [ceil(rows / G), blocks * G * block bytes] for G = group_rows: per block,
+    the G rows' scales, (Q4_1) minimums, then chunks of four bytes from each row."""
     block_bytes = GGML_QUANT_SIZES[part.ggml_type][1]
     rows, blocks = part.data.shape[0], cols // BLOCK_SIZE
-    padded = np.zeros((-(-rows // GROUP_ROWS) * GROUP_ROWS, blocks, block_bytes), dtype=np.uint8)
+    padded = np.zeros((-(-rows // group_rows) * group_rows, blocks, block_bytes), dtype=np.uint8)
     padded[:rows] = part.data.reshape(rows, blocks, block_bytes)
-    # [groups, blocks, 8 rows, block bytes]
-    grouped = padded.reshape(-1, GROUP_ROWS, blocks, block_bytes).transpose(0, 2, 1, 3)
+    # [groups, blocks, G rows, block bytes]
+    grouped = padded.reshape(-1, group_rows, blocks, block_bytes).transpose(0, 2, 1, 3)
     head = 4 if part.ggml_type == GGMLQuantizationType.Q4_1 else 2  # scale (and minimum) bytes
     fields = [grouped[..., at:at + 2].reshape(*grouped.shape[:2], -1) for at in range(0, head, 2)]
-    values = grouped[..., head:]  # [groups, blocks, 8 rows, value bytes]
+    values = grouped[..., head:]  # [groups, blocks, G rows, value bytes]
     chunks = values.reshape(*values.shape[:3], -1, 4).transpose(0, 1, 3, 2, 4)  # [.., chunk, row, 4]
     fields.append(chunks.reshape(*grouped.shape[:2], -1))
     return np.ascontiguousarray(np.concatenate(fields, axis=2).reshape(grouped.shape[0], -1))

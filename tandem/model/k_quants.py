@@ -1,12 +1,11 @@
-"""K-quant superblocks (Q4_K, Q5_K, Q6_K) decoded to their integers and interleaved in groups of eight
-rows, as csrc/blocks.h's K-quant kernels read them."""
+"""K-quant superblocks (Q4_K, Q5_K, Q6_K) decoded to their integers and interleaved in groups of rows
+(8 or 16: the native build's vector lanes), as csrc/blocks.h's K-quant kernels read them."""
 from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 SUPER = 256  # weights per K-quant superblock
-GROUP_ROWS = 8
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -50,22 +49,22 @@ def decode(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> dict[str, np.
     return {"q": q, "d": _f16(blocks, 0), "dmin": _f16(blocks, 2), "scales": sc, "mins": mn}
 
 
-def interleaved(data: np.ndarray, ggml_type: GGMLQuantizationType, cols: int) -> np.ndarray:
-    """[rows, row bytes] -> [ceil(rows / 8), superblocks * group bytes]: per superblock, the eight
-    rows' d (and dmin) as fp16, their scales (and minimums) by sub-block, then eight windows of 32
-    weights, each its nibbles in four 32-byte chunks (four bytes of every row; low nibbles are
+def interleaved(data: np.ndarray, ggml_type: GGMLQuantizationType, cols: int, group_rows: int) -> np.ndarray:
+    """[rows, row bytes] -> [ceil(rows / G), superblocks * group bytes] for G = group_rows: per
+    superblock, the G rows' d (and dmin) as fp16, their scales (and minimums) by sub-block, then
+    eight windows of 32 weights, each its nibbles in four chunks (four bytes of every row; low nibbles are
     weights 4c .., high nibbles 16 + 4c ..) and the bits above them in planes of one byte per
     (row, t): Q5_K's bit k is bit 4 of weight 4k + t; Q6_K's two planes (k < 4, k >= 4) hold
     bits 4-5 of weight 4k + t at bits 2(k % 4)."""
     rows, supers = data.shape[0], cols // SUPER
-    padded = np.zeros((-(-rows // GROUP_ROWS) * GROUP_ROWS, data.shape[1]), np.uint8)
+    padded = np.zeros((-(-rows // group_rows) * group_rows, data.shape[1]), np.uint8)
     padded[:rows] = data
     fields = decode(padded.reshape(padded.shape[0], supers, -1), ggml_type)
 
-    def by_group(a: np.ndarray) -> np.ndarray:  # [rows, supers, ...] -> [groups, supers, 8 rows, ...]
-        return np.ascontiguousarray(a.reshape(-1, GROUP_ROWS, *a.shape[1:]).swapaxes(1, 2))
+    def by_group(a: np.ndarray) -> np.ndarray:  # [rows, supers, ...] -> [groups, supers, G rows, ...]
+        return np.ascontiguousarray(a.reshape(-1, group_rows, *a.shape[1:]).swapaxes(1, 2))
 
-    groups = padded.shape[0] // GROUP_ROWS
+    groups = padded.shape[0] // group_rows
     header = [by_group(fields["d"]).view(np.uint8).reshape(groups, supers, -1)]
     if ggml_type == GGMLQuantizationType.Q6_K:
         header.append(by_group(fields["scales"]).swapaxes(2, 3).reshape(groups, supers, -1))
@@ -73,7 +72,7 @@ def interleaved(data: np.ndarray, ggml_type: GGMLQuantizationType, cols: int) ->
         header.append(by_group(fields["dmin"]).view(np.uint8).reshape(groups, supers, -1))
         for name in ("scales", "mins"):
             header.append(by_group(fields[name]).swapaxes(2, 3).reshape(groups, supers, -1))
-    q = by_group(fields["q"]).reshape(groups, supers, GROUP_ROWS, 8, 32).transpose(0, 1, 3, 2, 4)  # [g, s, w, r, 32]
+    q = by_group(fields["q"]).reshape(groups, supers, group_rows, 8, 32).transpose(0, 1, 3, 2, 4)  # [g, s, w, r, 32]
     nibbles = (q[..., :16] & 0xF) | ((q[..., 16:] & 0xF) << 4)  # [g, s, w, r, 16]
     windows = [nibbles.reshape(*nibbles.shape[:4], 4, 4).transpose(0, 1, 2, 4, 3, 5).reshape(groups, supers, 8, -1)]
     sets = q.reshape(*q.shape[:4], 8, 4) >> 4  # [g, s, w, r, set k, t]: weight 4k + t's bits above the nibble

@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("decoder.c", "blocks.h", "gemm.h", "pool.h", "vec.h")
+SOURCES = ("decoder.c", "blocks.h", "block_kernels.h", "gemm.h", "pool.h", "vec.h")
 PANEL = 16  # output columns per packed panel (gemm.h)
 KEY_BLOCK = 16  # positions per block of the K cache (decoder.c)
 WEIGHTS_F32, WEIGHTS_BF16, WEIGHTS_BLOCKS = 0, 1, 2  # how a model's matrices are stored (gemm.h)
@@ -43,10 +43,10 @@ _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 # Best first.
 ISAS = (
-    Isa("amx", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma", "amx_tile",
-                          "amx_bf16"}), (*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
-    Isa("avx512_bf16", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma"}),
-        (*_AVX512, "-mavx512bf16")),
+    Isa("amx", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "avx2", "fma",
+                          "amx_tile", "amx_bf16"}), (*_AVX512, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16")),
+    Isa("avx512_bf16", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "avx2",
+                                  "fma"}), (*_AVX512, "-mavx512bf16", "-mavx512vnni")),
     Isa("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}), _AVX512),
     Isa("avx2", frozenset({"avx2", "fma", "f16c"}), _AVX2),
 )
@@ -103,6 +103,7 @@ class Library:
         self._argmax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         self._argmax.restype = None
         self.features = lib.tandem_features()
+        self.group_rows = lib.tandem_group_rows()  # rows per BlockGroup: the block kernels' vector lanes
 
     def forward(self, model: CModel, batch: CBatch) -> None:
         if self._forward(ctypes.byref(model), ctypes.byref(batch), torch.get_num_threads()) < 0:

@@ -139,7 +139,7 @@ class NativeDecoder:
     def _packed(self, weight: Matrix) -> native.PackedMatrix:
         if isinstance(weight, BlockMatrix):
             self.block_types |= {part.ggml_type for part in weight.parts}
-            table, packed = weight.groups()
+            table, packed = weight.groups(self.library.group_rows)
             self._keep.extend((table, *packed))
             return native.block_matrix(table, *weight.shape)
         packed = native.pack(weight)

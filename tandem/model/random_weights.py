@@ -1,9 +1,12 @@
 """Random-weight models of real shapes, for tests and GPU benchmarks where checkpoints can't travel."""
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import torch
 
 from tandem.config import ModelConfig, RopeScaling
+from tandem.model.block_matrix import LEGACY_TYPES, BlockMatrix
 from tandem.model.llama import LayerWeights, ModelWeights
 
 _LLAMA3_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -53,3 +56,27 @@ def random_weights(
     embed = torch.randn(c.vocab_size, c.hidden_size, generator=gen, device=device, dtype=dtype)
     lm_head = embed if c.tie_word_embeddings else mat(c.vocab_size, c.hidden_size)
     return ModelWeights(embed=embed, layers=layers, norm=norm(), lm_head=lm_head)
+
+
+def random_k_blocks(rows: int, cols: int, ggml_type: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant superblocks, uint8 [rows, row bytes] (gguf has no K quantizer): random bytes,
+    with d (and dmin) small random fp16 values, so that the weights are of a model's size."""
+    block_bytes = gguf.GGML_QUANT_SIZES[ggml_type][1]
+    data = rng.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
+    high = 2e-4 if ggml_type == gguf.GGMLQuantizationType.Q6_K else 2e-3  # Q6_K's scales are int8
+    for at in [208] if ggml_type == gguf.GGMLQuantizationType.Q6_K else [0, 2]:  # d (and dmin)
+        data[..., at:at + 2] = rng.uniform(high / 20, high, data.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def random_block_weights(config: ModelConfig, ggml_type: gguf.GGMLQuantizationType, seed: int = 0) -> ModelWeights:
+    """random_weights with every matrix (embedding and head included) in blocks of ggml_type, for
+    speed measurements of each type on a model's shapes."""
+    rng = np.random.default_rng(seed)
+
+    def blocks(matrix: torch.Tensor) -> BlockMatrix:
+        if ggml_type in LEGACY_TYPES:
+            return BlockMatrix.quantized(matrix.float(), ggml_type)
+        return BlockMatrix.stored(random_k_blocks(*matrix.shape, ggml_type, rng), ggml_type)
+
+    return random_weights(config, seed, dtype=torch.bfloat16).map_matrices(blocks)

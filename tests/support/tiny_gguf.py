@@ -7,6 +7,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tandem.model.random_weights import random_k_blocks
+
 
 def write_tokenizer_gguf(path: Path, model: str, tokens: list[str], scores: list[float] | None = None,
                 types: list[int] | None = None, pre: str | None = None, merges: list[str] | None = None) -> Path:
@@ -42,17 +44,6 @@ K_QUANT_ROLES = {  # a Q4_K_M-like mix, and Q5_K for the attention output
     "ffn_gate": gguf.GGMLQuantizationType.Q4_K, "ffn_up": gguf.GGMLQuantizationType.Q4_K,
     "ffn_down": gguf.GGMLQuantizationType.Q6_K,
 }
-
-
-def random_k_blocks(rows: int, cols: int, ggml_type: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant superblocks, uint8 [rows, row bytes] (gguf has no K quantizer): random bytes,
-    with d (and dmin) small random fp16 values, so that the weights are of a model's size."""
-    block_bytes = gguf.GGML_QUANT_SIZES[ggml_type][1]
-    data = rng.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
-    high = 2e-4 if ggml_type == gguf.GGMLQuantizationType.Q6_K else 2e-3  # Q6_K's scales are int8
-    for at in [208] if ggml_type == gguf.GGMLQuantizationType.Q6_K else [0, 2]:  # d (and dmin)
-        data[..., at:at + 2] = rng.uniform(high / 20, high, data.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
-    return data.reshape(rows, -1)
 
 
 def write_k_quant_gguf(path: Path, seed: int = 0) -> Path:

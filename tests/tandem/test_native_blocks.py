@@ -17,12 +17,12 @@ from bench.greedy_oracle import hf_greedy
 from tandem.config import ModelConfig
 from tandem.loaders import load_checkpoint
 from tandem.model import native
-from tests.support.devices import needs_native
-from tests.support.tiny_gguf import random_k_blocks, write_k_quant_gguf
+from tests.support.devices import native_builds, needs_native
+from tests.support.tiny_gguf import write_k_quant_gguf
 from tandem.model.batch import SequenceChunk
 from tandem.model.block_matrix import BLOCK_TYPES, LEGACY_TYPES, BlockMatrix
 from tandem.model.llama import build_model, dequantized
-from tandem.model.random_weights import random_weights
+from tandem.model.random_weights import random_k_blocks, random_weights
 from tandem.quantization import quantize
 
 pytestmark = needs_native
@@ -46,7 +46,7 @@ def _blocks(rows: int, cols: int, ggml_type: Q, seed: int) -> BlockMatrix:
 
 
 def _gemm(isa, matrix: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
-    table, packed = matrix.groups()  # the C struct points into them: keep them alive
+    table, packed = matrix.groups(isa.group_rows)  # the C struct points into them: keep them alive
     return isa.gemm(x.contiguous(), native.block_matrix(table, *matrix.shape), native.WEIGHTS_BLOCKS)
 
 
@@ -127,6 +127,27 @@ def test_a_fused_matrix_may_mix_types_and_rows_do_not_depend_on_their_batch(isa)
             torch.set_num_threads(count)
             for rows in range(1, 21):
                 assert torch.equal(_gemm(isa, fused, x[:rows]), alone[:rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_every_build_gives_the_same_bits():
+    """AVX-512 builds multiply two neighbouring groups per vector (csrc/block_kernels.h): the same
+    bits as AVX2's one, for every type, whole and partial groups, neighbours of two types, and
+    thread ranges that split a pair."""
+    parts = [_blocks(rows, 512, ggml_type, seed) for seed, (rows, ggml_type) in
+             enumerate([(24, Q.Q4_0), (16, Q.Q6_K), (40, Q.Q4_1), (13, Q.Q4_K), (32, Q.Q8_0), (8, Q.Q5_K),
+                        (16, Q.Q5_K), (21, Q.Q4_0)])]
+    fused = BlockMatrix.cat(parts)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            for rows in (1, 5, 11):
+                results = {name: _gemm(native.load(name), fused, x[:rows]) for name in native_builds()}
+                for name, result in results.items():
+                    assert torch.equal(result, results["avx2"]), (name, count, rows)
     finally:
         torch.set_num_threads(threads)
 

@@ -523,6 +523,9 @@ int tandem_init(void) {
 #endif
 }
 
+/* Rows per BlockGroup: the block kernels' vector lanes (blocks.h). */
+int tandem_group_rows(void) { return GROUP_ROWS; }
+
 /* What this build uses: bit 0 AVX-512, bit 1 AVX-512 BF16, bit 2 AMX. */
 int tandem_features(void) {
     int features = 0;
