@@ -21,7 +21,8 @@ from tandem.model.native_decoder import supports as native_supports
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")
-QUANTIZATION_HELP = ("auto, none, q8_0 or q4_0: auto runs a GGUF's Q4_0, Q4_1 and Q8_0 matrices as stored, in "
+QUANTIZATION_HELP = ("auto, none, q8_0 or q4_0: auto runs a GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K matrices "
+                     "in their blocks, in "
                      "the native CPU decoder (the embedded model's default); none dequantizes them to --dtype; "
                      "q8_0 and q4_0 quantize a checkpoint's float matrices at load (CPU only)")
 _AT_LOAD = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
