@@ -41,3 +41,17 @@ def test_no_two_classes_share_a_name():
                 seen.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
     shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not shared, shared
+
+
+def test_an_installed_package_carries_the_native_decoders_sources():
+    """A non-editable install (the Docker image's `pip install .`) compiles the native decoder on
+    first use: every source it compiles must be package data."""
+    import fnmatch
+    import tomllib
+
+    from tandem.model import native
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["tandem"]
+    for name in native.SOURCES:
+        path = f"model/csrc/{name}"
+        assert any(fnmatch.fnmatch(path, pattern) for pattern in patterns), path

@@ -69,14 +69,17 @@ def random_k_blocks(rows: int, cols: int, ggml_type: gguf.GGMLQuantizationType, 
     return data.reshape(rows, -1)
 
 
+def random_blocks(rows: int, cols: int, ggml_type: gguf.GGMLQuantizationType, seed: int) -> BlockMatrix:
+    """A random [rows, cols] matrix in blocks of ggml_type: standard normal weights quantized as
+    llama.cpp does (the legacy types), or random_k_blocks (K-quants)."""
+    if ggml_type in LEGACY_TYPES:
+        return BlockMatrix.quantized(torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)), ggml_type)
+    return BlockMatrix.stored(random_k_blocks(rows, cols, ggml_type, np.random.default_rng(seed)), ggml_type)
+
+
 def random_block_weights(config: ModelConfig, ggml_type: gguf.GGMLQuantizationType, seed: int = 0) -> ModelWeights:
-    """random_weights with every matrix (embedding and head included) in blocks of ggml_type, for
-    speed measurements of each type on a model's shapes."""
-    rng = np.random.default_rng(seed)
-
-    def blocks(matrix: torch.Tensor) -> BlockMatrix:
-        if ggml_type in LEGACY_TYPES:
-            return BlockMatrix.quantized(matrix.float(), ggml_type)
-        return BlockMatrix.stored(random_k_blocks(*matrix.shape, ggml_type, rng), ggml_type)
-
-    return random_weights(config, seed, dtype=torch.bfloat16).map_matrices(blocks)
+    """random_weights with every matrix (embedding and head included) in random blocks of ggml_type,
+    for speed measurements of each type on a model's shapes."""
+    seeds = iter(range(seed, seed + 10**6))
+    return random_weights(config, seed, dtype=torch.bfloat16).map_matrices(
+        lambda matrix: random_blocks(*matrix.shape, ggml_type, next(seeds)))

@@ -22,27 +22,12 @@ from tests.support.tiny_gguf import write_k_quant_gguf
 from tandem.model.batch import SequenceChunk
 from tandem.model.block_matrix import BLOCK_TYPES, LEGACY_TYPES, BlockMatrix
 from tandem.model.llama import build_model, dequantized
-from tandem.model.random_weights import random_k_blocks, random_weights
+from tandem.model.random_weights import random_blocks, random_weights
 from tandem.quantization import quantize
 
 pytestmark = needs_native
 XMAX = 32767.0  # csrc/blocks.h: an activation block's largest magnitude, quantized
 K_TYPES = [t for t in BLOCK_TYPES if t not in LEGACY_TYPES]
-
-
-def _random_blocks(rows: int, cols: int, ggml_type: Q, seed: int) -> BlockMatrix:
-    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
-    return BlockMatrix.quantized(weight, ggml_type)
-
-
-def _random_k_blocks(rows: int, cols: int, ggml_type: Q, seed: int) -> BlockMatrix:
-    return BlockMatrix.stored(random_k_blocks(rows, cols, ggml_type, np.random.default_rng(seed)), ggml_type)
-
-
-def _blocks(rows: int, cols: int, ggml_type: Q, seed: int) -> BlockMatrix:
-    if ggml_type in K_TYPES:
-        return _random_k_blocks(rows, cols, ggml_type, seed)
-    return _random_blocks(rows, cols, ggml_type, seed)
 
 
 def _gemm(isa, matrix: BlockMatrix, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +69,7 @@ def _same_arithmetic(matrix: BlockMatrix, x: torch.Tensor) -> tuple[np.ndarray, 
 @pytest.mark.parametrize("out_features, in_features", [(37, 96), (64, 32), (21, 576)])
 def test_gemm_is_the_block_arithmetic_and_close_to_the_float_matrix(isa, ggml_type, rows, out_features,
                                                                       in_features):
-    matrix = _random_blocks(out_features, in_features, ggml_type, seed=rows)
+    matrix = random_blocks(out_features, in_features, ggml_type, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(100 + rows))
     got = _gemm(isa, matrix, x)
     assert got.shape == (rows, -(-out_features // 16) * 16)
@@ -100,7 +85,7 @@ def test_gemm_is_the_block_arithmetic_and_close_to_the_float_matrix(isa, ggml_ty
 @pytest.mark.parametrize("out_features, in_features", [(37, 256), (16, 768)])
 def test_k_quant_gemm_is_close_to_the_dequantized_matrix(isa, ggml_type, rows, out_features, in_features):
     """Dequantized by gguf's own reference; the error is the int16 activations' alone."""
-    matrix = _random_k_blocks(out_features, in_features, ggml_type, seed=rows)
+    matrix = random_blocks(out_features, in_features, ggml_type, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(100 + rows))
     got = _gemm(isa, matrix, x)
     assert torch.equal(got[:, out_features:], torch.zeros_like(got[:, out_features:]))
@@ -114,7 +99,7 @@ def test_a_fused_matrix_may_mix_types_and_rows_do_not_depend_on_their_batch(isa)
     """Parts of every type and of 3 to 13 rows (groups padded inside each part), every row count
     from 1 to 20, at 1 and 3 threads: bit for bit what each part gives alone and what each row
     gives alone."""
-    parts = [_blocks(rows, 256, ggml_type, seed) for seed, (rows, ggml_type) in
+    parts = [random_blocks(rows, 256, ggml_type, seed) for seed, (rows, ggml_type) in
              enumerate([(13, Q.Q4_0), (8, Q.Q6_K), (5, Q.Q4_1), (3, Q.Q4_K), (9, Q.Q8_0), (6, Q.Q5_K)])]
     fused = BlockMatrix.cat(parts)
     x = torch.randn(20, 256, generator=torch.Generator().manual_seed(4))
@@ -135,7 +120,7 @@ def test_every_build_gives_the_same_bits():
     """AVX-512 builds multiply two neighbouring groups per vector (csrc/block_kernels.h): the same
     bits as AVX2's one, for every type, whole and partial groups, neighbours of two types, and
     thread ranges that split a pair."""
-    parts = [_blocks(rows, 512, ggml_type, seed) for seed, (rows, ggml_type) in
+    parts = [random_blocks(rows, 512, ggml_type, seed) for seed, (rows, ggml_type) in
              enumerate([(24, Q.Q4_0), (16, Q.Q6_K), (40, Q.Q4_1), (13, Q.Q4_K), (32, Q.Q8_0), (8, Q.Q5_K),
                         (16, Q.Q5_K), (21, Q.Q4_0)])]
     fused = BlockMatrix.cat(parts)
@@ -216,7 +201,7 @@ def test_a_model_of_k_quants_matches_the_pytorch_decoder(isa):
     seeds = iter(range(1000))
 
     def k_matrix(rows: int, cols: int, ggml_type: Q) -> BlockMatrix:
-        return _random_k_blocks(rows, cols, ggml_type, next(seeds))
+        return random_blocks(rows, cols, ggml_type, next(seeds))
 
     kv_width = config.num_kv_heads * config.head_dim
     for layer in weights.layers:  # q|k in Q4_K, v in Q6_K

@@ -30,7 +30,7 @@
 
 #define QBLOCK 32            /* weights per block */
 #define XMAX 32767.0f        /* an activation block's largest magnitude, quantized */
-#define BLOCK_TILE_ROWS 8    /* activation rows per tile: 6 int32 and 6 float accumulators */
+#define BLOCK_TILE_ROWS 8    /* activation rows per tile: 8 int32 (Q6_K 16) and 8 float accumulators */
 #define BLOCK_ROW_CHUNK 48   /* activation rows per pass over a matrix: 48 x K / 32 blocks of 72 bytes */
 #if defined(__AVX512F__)
 #define GROUP_ROWS 16        /* weight rows per group: a vector's int32 lanes */
