@@ -39,6 +39,8 @@ from tandem.v1 import drafter_pb2
 
 log = logging.getLogger(__name__)
 
+PAUSED_EXTEND_TOKENS = 16  # committed tokens per Extend while a sequence stays paused
+
 
 class DrafterPeer(Protocol):
     """What a link tells its owner: every message from the drafter, and each (re)connect."""
@@ -271,28 +273,33 @@ class Speculator:
 
     def _extend(self, seqs: list[Sequence]) -> None:
         """The tokens these sequences committed, in one update, and how many drafts the policy now
-        wants of them (SpeculationPolicy.drafts_to_request) where that changed."""
+        wants of them (SpeculationPolicy.drafts_to_request) where that changed. A sequence that stays
+        paused is told its tokens PAUSED_EXTEND_TOKENS at a time, or with the update that asks it
+        for drafts again: an update per step costs the target's step (measured, docs/benchmarks.md)."""
         now = time.perf_counter()
         extends = []
         owed = False  # an answer: a fresh proposal, unless a held pre-draft covers the new prefix
         wanted = self._drafts_wanted()
         for seq in [s for s in seqs if s.finish is None]:
             state = self._states[seq.seq_id]
-            if state.told_len and len(seq.token_ids) > state.told_len:
-                message = extend_message(seq, state.told_len)
-                first, rows = state.take_features(len(seq.token_ids) - 1)
-                if rows is not None:
-                    message.hidden_start = first
-                    message.hidden_states = self.link.feature_layout.encode(rows)
-                    self.metrics.hidden_state_bytes.inc(len(message.hidden_states))
-                k = min(wanted[seq.seq_id], state.open_k)
-                if k != state.told_k:
-                    message.k = state.told_k = k
-                extends.append(message)
-                state.tell(now)
-                if k == 0:  # paused: the drafter answers nothing, and no step waits for it
-                    state.answered_len = len(seq.token_ids)
-                owed |= k > 0 and not state.covers_committed()
+            if not state.told_len or len(seq.token_ids) == state.told_len:
+                continue
+            k = min(wanted[seq.seq_id], state.open_k)
+            if k == 0:  # paused: the drafter answers nothing, and no step waits for it
+                state.answered_len = len(seq.token_ids)
+                if state.told_k == 0 and len(seq.token_ids) - state.told_len < PAUSED_EXTEND_TOKENS:
+                    continue
+            message = extend_message(seq, state.told_len)
+            first, rows = state.take_features(len(seq.token_ids) - 1)
+            if rows is not None:
+                message.hidden_start = first
+                message.hidden_states = self.link.feature_layout.encode(rows)
+                self.metrics.hidden_state_bytes.inc(len(message.hidden_states))
+            if k != state.told_k:
+                message.k = state.told_k = k
+            extends.append(message)
+            state.tell(now)
+            owed |= k > 0 and not state.covers_committed()
         self._send(extends=extends, answer_owed=owed)
 
     def _drafts_wanted(self) -> dict[int, int]:

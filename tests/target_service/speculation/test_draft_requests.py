@@ -1,8 +1,9 @@
 """The target asks the drafter only for drafts it may verify: a drafter whose drafts never pay is
 paused (Extends with k=0), but for the steps before each exploring step, and output is unchanged.
+While paused, it is told the committed tokens PAUSED_EXTEND_TOKENS at a time, not at every step.
 
 The scripted drafter answers what it is asked for with drafts that are always wrong (valid token
-ids, never the target's), and records the k each Extend leaves it with.
+ids, never the target's), and records each Extend: the k it leaves, where it starts, its tokens.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import pytest
 
 from tests.support.service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape, target_with_drafter
+from target_service.speculation.speculator import PAUSED_EXTEND_TOKENS
 from tandem.runtime import load_tokenizer
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -26,7 +28,7 @@ class WrongDrafter(drafter_pb2_grpc.DrafterServicer):
         self.fingerprint = fingerprint
         self.wrong_token = wrong_token
         self.lock = threading.Lock()
-        self.asked: list[int] = []  # the k each Extend left its sequence with, in arrival order
+        self.asked: list[tuple[int, int, int]] = []  # each Extend's (k it left, start, tokens), in arrival order
         self.above_open_k = 0
 
     def Info(self, request, context):
@@ -48,7 +50,7 @@ class WrongDrafter(drafter_pb2_grpc.DrafterServicer):
                     k_of[extend.seq_id] = extend.k
                 length[extend.seq_id] = extend.start + len(extend.token_ids)
                 with self.lock:
-                    self.asked.append(k_of[extend.seq_id])
+                    self.asked.append((k_of[extend.seq_id], extend.start, len(extend.token_ids)))
                     self.above_open_k += k_of[extend.seq_id] > open_k[extend.seq_id]
                 if k_of[extend.seq_id]:
                     proposals.append(self._proposal(extend.seq_id, length[extend.seq_id], k_of[extend.seq_id]))
@@ -85,15 +87,22 @@ def test_a_drafter_whose_drafts_never_pay_is_paused_but_still_explored(wrong_pai
     assert drafter.wrong_token not in spec[0].token_ids
 
     asked = list(drafter.asked)
-    assert len(asked) == MAX_TOKENS - 1  # one Extend per step after the prefill's
+    ends = [start + count for _, start, count in asked]
+    assert [start for _, start, _ in asked[1:]] == ends[:-1], "every committed token is told once, in order"
+    assert ends[-1] > asked[0][1] + MAX_TOKENS - 1 - PAUSED_EXTEND_TOKENS  # the prompt, all but a paused tail
     assert drafter.above_open_k == 0
     # Drafts are rejected: alpha falls, and they stop paying. Before that the speed guard may ask for
     # none for a few steps (its off window): the pause is what follows the last ask for more than one.
-    paused_from = max(i for i, k in enumerate(asked) if k > 1) + 1
+    paused_from = max(i for i, (k, _, _) in enumerate(asked) if k > 1) + 1
     after = asked[paused_from:]
-    assert len(after) >= 48, f"paused only after {paused_from} steps"
-    share = sum(k > 0 for k in after) / len(after)
-    assert 0 < share <= 0.1, f"asked for drafts on {share:.0%} of the steps after the pause: {after}"
+    steps_after = ends[-1] - after[0][1]
+    assert steps_after >= 48, f"paused only after {paused_from} Extends"
+    exploring = sum(k > 0 for k, _, _ in after)
+    assert 0 < exploring <= 0.1 * steps_after, f"asked for drafts {exploring} times in {steps_after} steps: {after}"
+    # A paused sequence's tokens wait for a batch, or for the update that asks for drafts again.
+    assert all(count >= PAUSED_EXTEND_TOKENS for (k, _, count), (before, _, _) in zip(after[1:], after)
+               if k == 0 == before), after
+    assert len(after) < steps_after / 4, f"{len(after)} Extends in {steps_after} paused steps"
     samples = scrape(target.metrics_url)
     assert metric(samples, "tandem_spec_decode_requested_drafts") in (0, 1)
     assert metric(samples, "tandem_spec_decode_num_accepted_tokens_total") == 0
