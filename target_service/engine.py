@@ -23,8 +23,8 @@ from target_service.errors import RequestError
 from target_service.kv_event_stream import KvEventStream
 from target_service.metrics import TargetMetrics
 from target_service.model_runner import ModelRunner
-from target_service.step_items import ItemResult, PrefillItem, PromptPart
-from target_service.scheduler import Scheduler
+from target_service.step_items import ChunkResult
+from target_service.scheduler import ScheduledBatch, Scheduler
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence
 from target_service.speculation.plan import DraftPlan
 from target_service.speculation.speculator import Speculator
@@ -152,10 +152,10 @@ class Engine:
         started = time.perf_counter()
         batch = self.scheduler.schedule(full_prefills=bool(self.speculator.feature_layers))
         self.speculator.admit(batch.admitted)  # before our prefill, so that the drafter's runs beside it
-        if batch.prefills or batch.chunks:
-            results, firsts = await self._prefill(batch.prefills, batch.chunks)
+        if batch.prefills or batch.parts:
+            results, firsts = await self._prefill(batch)
             outputs = self._commit(batch.prefills, results)
-            self.scheduler.update(batch.prefills, batch.chunks)
+            self.scheduler.update(batch.prefills, batch.parts)
             await self._publish(batch.prefills, results, outputs, firsts)
         prefilled = time.perf_counter()
         decodes = [seq for seq in batch.decodes if seq.finish is None]
@@ -183,24 +183,15 @@ class Engine:
         """Publish what the prefix cache stored and evicted since the last call, as one batch."""
         self.kv_events.publish(self.scheduler.prefix_cache.events.take())
 
-    async def _prefill(self, prefills: list[Sequence], chunks: list[PromptPart]) -> tuple[list[ItemResult], list[int]]:
-        """The prefills' first tokens, and the chunks' KV, in one forward; and where each prefill's
-        run (its feature rows) starts. A request's first sample runs the prompt from what its slot
-        holds (prefix caching, earlier chunks); its other samples (right after it) share its KV."""
-        first: dict[int, int] = {}  # group -> the batch index of its first sample
-        items = []
-        for b, s in enumerate(prefills):
-            leader = first.get(s.group)
-            items.append(PrefillItem(slot=s.slot, prompt_ids=s.prompt_ids, sampling=s.options.sampling,
-                                     grammar=s.grammar, logits_context=s.logits_context(), logprobs=s.options.logprobs,
-                                     prompt_logprobs=s.options.prompt_logprobs, copy_of=leader,
-                                     cached=s.num_computed_tokens))
-            first.setdefault(s.group, b)
+    async def _prefill(self, batch: ScheduledBatch) -> tuple[list[ChunkResult], list[int]]:
+        """The prompts' first tokens (their last chunks), and the earlier chunks' KV, in one forward;
+        and where each prompt's run (its feature rows) starts."""
+        ends, parts = batch.ends, batch.parts
         started = time.perf_counter()
-        results = await self._in_executor(self.runner.prefill, items, self.speculator.feature_layers, chunks)
+        results = await self._in_executor(self.runner.run, ends + parts, self.speculator.feature_layers)
         self.metrics.child(self.metrics.step, kind="prefill").observe(time.perf_counter() - started)
-        results, chunk_results = results[:len(items)], results[len(items):]
-        for part, result in zip(chunks, chunk_results, strict=True):
+        results, part_results = results[:len(ends)], results[len(ends):]
+        for part, result in zip(parts, part_results, strict=True):
             seq = self.scheduler.sequences.get(part.seq_id)
             if seq is None:  # released while the step ran (a drain aborts every sequence)
                 continue
@@ -208,17 +199,17 @@ class Engine:
                 self.speculator.keep_features(seq, part.start, result.features)
             if result.prompt_logprobs is not None:
                 seq.scored_prompt_logprobs += result.prompt_logprobs
-        prompts = [s for s, i in zip(prefills, items) if i.copy_of is None]
+        prompts = [s for s, c in zip(batch.prefills, ends, strict=True) if c.copy_of is None]
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in prompts))
         self.metrics.prefix_cache_queries.inc(sum(len(s.prompt_ids) for s in prompts))
         self.metrics.prefix_cache_hits.inc(sum(s.cached_tokens for s in prompts))
-        return results, [items[i.copy_of].cached if i.copy_of is not None else i.cached for i in items]
+        return results, [ends[c.copy_of].start if c.copy_of is not None else c.start for c in ends]
 
-    async def _verify(self, plan: DraftPlan) -> tuple[list[ItemResult], float]:
+    async def _verify(self, plan: DraftPlan) -> tuple[list[ChunkResult], float]:
         """The verify (or, without drafts, decode) step's results, and how long it took."""
         kind = "verify" if any(plan.available) else "decode"
         started = time.perf_counter()
-        results = await self._in_executor(self.runner.verify, plan.verify_items(), self.speculator.feature_layers)
+        results = await self._in_executor(self.runner.run, plan.chunks(), self.speculator.feature_layers)
         elapsed = time.perf_counter() - started
         self.metrics.child(self.metrics.step, kind=kind).observe(elapsed)
         return results, elapsed
@@ -228,7 +219,7 @@ class Engine:
 
     # ---- committing and publishing ----------------------------------------------------------
 
-    def _commit(self, seqs: list[Sequence], results: list[ItemResult]) -> list[Output | None]:
+    def _commit(self, seqs: list[Sequence], results: list[ChunkResult]) -> list[Output | None]:
         """Append a step's tokens to each sequence, up to a stop or its budget, which ends it.
 
         None for a sequence that ended while the step ran (aborted): it commits nothing.
@@ -248,7 +239,7 @@ class Engine:
                 self._finish(seq, finish)
         return outputs
 
-    async def _publish(self, seqs: list[Sequence], results: list[ItemResult], outputs: list[Output | None],
+    async def _publish(self, seqs: list[Sequence], results: list[ChunkResult], outputs: list[Output | None],
                        firsts: list[int]) -> None:
         """Tell the drafter about the committed tokens, and send them to the clients.
 

@@ -1,22 +1,25 @@
 """The model work of one target step, run on the executor thread over snapshots of sequence state.
 
-Prefill: each new prompt is run and its first token sampled at position len(prompt); a prompt whose
-logprobs are asked for keeps the logits of every position, which score its own tokens. A long
-prompt may run in parts over several steps (`PromptPart`, chunked prefill): a part writes its KV,
-samples nothing, and scores its tokens the same way. The other
+A step hands the runner Chunks (step_items.py), one per sequence, and they run in one forward.
+A sequence with committed tokens x[0..n-1] whose slot holds KV for the first c of them runs
+x[c..n-1] at positions c..n-1, then its drafts d1..dk: the rows of x[n-1] and of the drafts give
+k+1 rows of p, and the step emits the accepted drafts plus one recovered or bonus token. The same
+rule serves every chunk that samples:
+  - a prompt's last chunk: c is what the prefix cache or earlier chunks left, k = 0, and the one
+    token is the first, sampled at position len(prompt);
+  - a running sequence: c = n - 1, or less when it is back from a preemption (the committed tokens
+    its slot lacks run again in front, `replayed`); k = 0 is a plain decode step.
+A long prompt's earlier chunks (chunked prefill) write their KV and sample nothing. A prompt whose
+logprobs are asked for keeps the rows of every position, which score its own tokens. The other
 samples of a request (n > 1) run nothing: they copy the first sample's prompt KV into their slots
 and sample the same logits row with their own seeds.
-Verify: a sequence with committed tokens x[0..n-1] has KV for n-1 of them; it runs
-[x[n-1], d1..dk] at positions n-1..n-1+k, so k+1 rows of p, and emits accepted drafts plus one
-recovered or bonus token. With no drafts (k = 0) this is a plain decode step. A sequence back from
-a preemption runs the committed tokens its slot lacks in front, in the same chunk (`replay`).
 
 Structured output: a constrained sequence's k + 1 logits rows are masked by its grammar (at its
 state, then after d1, d1 d2, ...) before p is built, so greedy picks, rejection sampling and the
 recovered and bonus tokens all use the target's constrained distribution. A draft the grammar
 forbids has p = 0 and is rejected. The masks are computed on their own thread during the forward.
 
-Logits rules (penalties, logit_bias, allowed tokens, bad words, the min_tokens ban): an item with a
+Logits rules (penalties, logit_bias, allowed tokens, bad words, the min_tokens ban): a chunk with a
 logits context has its rows processed the same way, row i counting d1..di as generated
 (tandem_kernels/logits_processors.py), so p at every row is what the target alone samples from.
 """
@@ -37,16 +40,16 @@ from tandem_kernels.logits_processors import process_logits
 from tandem_kernels.logprobs import TokenLogprob, row_logprobs, sequence_logprobs, token_logprobs
 from tandem_kernels.ragged import VerifyBatch
 from tandem_kernels.rejection import rejection_sample
-from tandem_kernels.sampling import Sampling, probs_of, sample
+from tandem_kernels.sampling import Sampling, probs_of
 from target_service.metrics import TargetMetrics
-from target_service.step_items import ItemResult, PrefillItem, PromptPart, VerifyItem
+from target_service.step_items import Chunk, ChunkResult
 from tandem.model.batch import SequenceChunk
 from tandem.model.llama import LlamaModel
 from tandem.structured import TokenMasker
 from tandem.structured.grammar import Matcher
 
 
-# What turns a prefill's rows (final hidden states) into logits; None: the rows are logits already.
+# What turns a forward's rows (final hidden states) into logits; None: the rows are logits already.
 ToLogits = Callable[[torch.Tensor], torch.Tensor] | None
 
 class ModelRunner:
@@ -70,99 +73,68 @@ class ModelRunner:
             self.model.kv_cache.free(slot)
 
     @torch.inference_mode()
-    def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = (),
-                parts: list[PromptPart] = ()) -> list[ItemResult]:
-        """Each item's first token; capture: also the features of these target layers (ItemResult.features).
+    def run(self, chunks: list[Chunk], capture: tuple[int, ...] = ()) -> list[ChunkResult]:
+        """Each chunk's result, in order: a sampling chunk's tokens (its accepted drafts, then one
+        more), an earlier prompt chunk's none; with the prompt logprobs asked for, and with capture,
+        the features of these target layers (ChunkResult.features)."""
+        runs = [b for b, c in enumerate(chunks) if c.copy_of is None]  # the chunks whose tokens run
+        sampling = [b for b, c in enumerate(chunks) if c.samples]
+        masks = self._start_masks([(chunks[b].grammar, chunks[b].draft_tokens) for b in sampling])  # during the forward
+        rows, features, to_logits = self._forward_rows([chunks[b] for b in runs], capture)
+        scored = dict(zip(runs, _prompt_logprobs(rows, [chunks[b] for b in runs], to_logits)))
+        features_of = dict(zip(runs, features))
+        verified: dict[int, ChunkResult] = {}
+        if sampling:
+            self._share_prompts([chunks[b] for b in sampling], chunks)
+            logits = _rows_at(rows, _sampled_rows(chunks, runs, sampling), to_logits)  # [sum(k_i + 1), vocab]
+            verified = dict(zip(sampling, self._verify([chunks[b] for b in sampling], logits, masks)))
+        results = []
+        for b, chunk in enumerate(chunks):
+            own = features_of.get(b if chunk.copy_of is None else chunk.copy_of)
+            results.append(replace(verified.get(b, ChunkResult([], 0)), prompt_logprobs=scored.get(b),
+                                   features=None if own is None else own[chunk.replayed:]))
+        return results
 
-        parts: earlier parts of longer prompts, run in the same forward; after the items' results
-        comes one per part, with no token (and its features and prompt logprobs, when asked)."""
-        runs = [b for b, i in enumerate(items) if i.copy_of is None]  # the items whose prompts run
-        chunks = [SequenceChunk(slot=items[b].slot, start=items[b].cached, token_ids=items[b].prompt_ids[items[b].cached:],
-                                num_logits=items[b].num_logits) for b in runs]
-        masks = self._start_masks([(i.grammar, ()) for i in items])  # computed during the forward
-        scoring = [items[b] for b in runs] + list(parts)  # in the order of their rows
-        rows, features, to_logits = self._prefill_forward(chunks + [p.chunk for p in parts], capture, scoring)
-        num_rows = sum(c.num_logits for c in chunks)  # the parts' rows come after these
-        parts_scored = _prompt_logprobs(rows[num_rows:], list(parts), to_logits)
-        part_results = [ItemResult([], 0, f, prompt_logprobs=scored)
-                        for f, scored in zip(features[len(chunks):], parts_scored, strict=True)]
-        if not chunks:
-            return part_results
-        rows, features = rows[:num_rows], features[:len(chunks)]
-        prompt_logprobs = _prompt_logprobs(rows, [items[b] for b in runs], to_logits)
-        logits = _last_rows(rows, [items[b] for b in runs], to_logits)  # [runs, vocab]
-        if len(runs) < len(items):  # samples of one prompt: its KV shared, its row repeated
-            run_of = {b: r for r, b in enumerate(runs)}
-            rows = [run_of[b if i.copy_of is None else i.copy_of] for b, i in enumerate(items)]
-            for item in items:
-                if item.copy_of is not None:
-                    self.model.kv_cache.share_prefix(items[item.copy_of].slot, item.slot, len(item.prompt_ids))
-            logits = logits[self._long(rows)]  # [B, vocab]
-            features = [features[r] for r in rows]
-            prompt_logprobs = [prompt_logprobs[run_of[b]] if b in run_of else None for b in range(len(items))]
-        raw = _raw_rows(logits, list(enumerate(items)), [1] * len(items))  # before masks and rules
-        self._apply_masks(logits, masks)
-        _process_logits(logits, [(b, i) for b, i in enumerate(items)])
-        tokens = [0] * len(items)
-        greedy = [b for b, i in enumerate(items) if i.sampling.greedy]
-        sampled = [b for b, i in enumerate(items) if not i.sampling.greedy]
-        for b, token in zip(greedy, self._greedy_tokens(logits, greedy, len(items))):
-            tokens[b] = token
-        if sampled:
-            samplings = [items[b].sampling for b in sampled]
-            probs = probs_of(logits[self._long(sampled)], samplings)
-            positions = self._long([len(items[b].prompt_ids) for b in sampled])
-            for b, token in zip(sampled, sample(probs, self._seeds(samplings), positions).tolist()):
-                tokens[b] = token
-        return _with_logprobs([ItemResult([token], 0, rows, prompt_logprobs=prompt)
-                               for token, rows, prompt in zip(tokens, features, prompt_logprobs)], raw) + part_results
+    def _share_prompts(self, sampling: list[Chunk], chunks: list[Chunk]) -> None:
+        """Each copy (another sample of a prompt that ran) takes the KV of the chunk it copies."""
+        for chunk in sampling:
+            if chunk.copy_of is not None:
+                self.model.kv_cache.share_prefix(chunks[chunk.copy_of].slot, chunk.slot, chunk.end)
 
-    def _prefill_forward(self, chunks: list[SequenceChunk], capture: tuple[int, ...],
-                         scoring: list[PrefillItem | PromptPart]) -> tuple[torch.Tensor, list[torch.Tensor | None], ToLogits]:
+    def _forward_rows(self, runs: list[Chunk], capture: tuple[int, ...]
+                      ) -> tuple[torch.Tensor, list[torch.Tensor | None], ToLogits]:
         """The chunks' rows, their features, and what turns the rows into logits: None when they
         are logits already; the final norm and LM head when some prompt's logprobs are asked (and no
         features), so that a long prompt's rows become logits a slice at a time."""
-        if capture or all(s.prompt_logprobs is None for s in scoring):
+        chunks = [c.forward for c in runs]
+        if capture or all(c.prompt_logprobs is None for c in runs):
             return *self._forward(chunks, capture), None  # logits [sum(num_logits), vocab]
         hidden = self.model.final_hidden(self.model.build_batch(chunks))  # [sum(num_logits), hidden]
         return hidden, [None] * len(chunks), self.model.logits
 
-    @torch.inference_mode()
-    def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[ItemResult]:
-        chunks = [
-            SequenceChunk(
-                slot=i.slot,
-                start=i.length - 1 - len(i.replay),
-                token_ids=[*i.replay, i.last_token, *(i.drafts.tokens if i.drafts else ())],
-                num_logits=i.num_drafts + 1,
-            )
-            for i in items
-        ]
-        masks = self._start_masks([(i.grammar, i.drafts.tokens if i.drafts else ()) for i in items])
-        logits, features = self._forward(chunks, capture)  # [sum(k_i + 1), vocab]
-        firsts = self._first_rows(items)
-        raw = _raw_rows(logits, list(zip(firsts, items)), [i.num_drafts + 1 for i in items])  # before masks, rules
+    def _verify(self, chunks: list[Chunk], logits: torch.Tensor,
+                masks: tuple[Future, list[int]] | None) -> list[ChunkResult]:
+        """Each sampling chunk's tokens from its rows of logits [sum(k_i + 1), vocab]: its drafts
+        accepted by the rule of its sampling, then the recovered or bonus token."""
+        firsts = self._first_rows(chunks)
+        raw = _raw_rows(logits, list(zip(firsts, chunks)), [c.num_drafts + 1 for c in chunks])  # before masks, rules
         self._apply_masks(logits, masks)
-        _process_logits(logits, list(zip(firsts, items)))
-        results: list[ItemResult | None] = [None] * len(items)
-        greedy = [b for b, i in enumerate(items) if i.sampling.greedy]
-        rows = self._rows_of(items, greedy)
+        _process_logits(logits, list(zip(firsts, chunks)))
+        results: list[ChunkResult | None] = [None] * len(chunks)
+        greedy = [b for b, c in enumerate(chunks) if c.sampling.greedy]
+        rows = self._rows_of(chunks, greedy)
         targets = iter(self._greedy_tokens(logits, rows, logits.shape[0]))
         for b in greedy:
-            results[b] = verify_greedy(items[b].drafts.tokens if items[b].drafts else (),
-                                       [next(targets) for _ in range(items[b].num_drafts + 1)])
-        invariant = [b for b, i in enumerate(items) if not i.sampling.greedy and i.sampling.drafter_invariant]
-        standard = [b for b, i in enumerate(items) if i.sampling.needs_draft_probs]
+            results[b] = verify_greedy(chunks[b].draft_tokens, [next(targets) for _ in range(chunks[b].num_drafts + 1)])
+        invariant = [b for b, c in enumerate(chunks) if not c.sampling.greedy and c.sampling.drafter_invariant]
+        standard = [b for b, c in enumerate(chunks) if c.sampling.needs_draft_probs]
         for group, verify in ((standard, self._rejection), (invariant, self._invariant)):
             if group:
-                group_rows = self._long(self._rows_of(items, group))
-                probs = probs_of(logits[group_rows], [items[b].sampling for b in group
-                                                      for _ in range(items[b].num_drafts + 1)])
-                for b, verified in zip(group, verify([items[b] for b in group], probs)):
+                group_rows = self._long(self._rows_of(chunks, group))
+                probs = probs_of(logits[group_rows], [chunks[b].sampling for b in group
+                                                      for _ in range(chunks[b].num_drafts + 1)])
+                for b, verified in zip(group, verify([chunks[b] for b in group], probs)):
                     results[b] = verified
-        if capture:  # the replayed rows' features were sent when those tokens were first committed
-            results = [ItemResult(r.tokens, r.num_accepted, rows[len(i.replay):])
-                       for r, rows, i in zip(results, features, items)]
         return _with_logprobs(results, raw)
 
     def _forward(self, chunks: list[SequenceChunk], capture: tuple[int, ...]
@@ -177,7 +149,7 @@ class ModelRunner:
         return logits, list(per_chunk)
 
     def _start_masks(self, rows: list[tuple[Matcher | None, tuple[int, ...]]]) -> tuple[Future, list[int]] | None:
-        """Start computing the bitmasks of the constrained items, each (grammar, drafts) owning
+        """Start computing the bitmasks of the constrained chunks, each (grammar, drafts) owning
         len(drafts) + 1 logits rows; returns the pending masks and the logits rows they cover."""
         jobs, covered, offset = [], [], 0
         for grammar, drafts in rows:
@@ -214,43 +186,43 @@ class ModelRunner:
             return []
         return self.model.greedy_tokens(logits if len(rows) == total else logits[self._long(rows)])
 
-    def _rejection(self, items: list[VerifyItem], probs: torch.Tensor) -> list[ItemResult]:
-        greedy = torch.tensor([i.sampling.greedy for i in items], dtype=torch.bool, device=self.device)
-        result = rejection_sample(self._verify_batch(items, probs), self._draft_probs(items), greedy)
+    def _rejection(self, chunks: list[Chunk], probs: torch.Tensor) -> list[ChunkResult]:
+        greedy = torch.tensor([c.sampling.greedy for c in chunks], dtype=torch.bool, device=self.device)
+        result = rejection_sample(self._verify_batch(chunks, probs), self._draft_probs(chunks), greedy)
         return _unpack(result.tokens, result.num_accepted)
 
-    def _invariant(self, items: list[VerifyItem], probs: torch.Tensor) -> list[ItemResult]:
-        result = verify_invariant(self._verify_batch(items, probs))
+    def _invariant(self, chunks: list[Chunk], probs: torch.Tensor) -> list[ChunkResult]:
+        result = verify_invariant(self._verify_batch(chunks, probs))
         return _unpack(result.tokens, result.num_accepted)
 
-    def _verify_batch(self, items: list[VerifyItem], probs: torch.Tensor) -> VerifyBatch:
-        """The kernels' view of the items: p [rows, V], the drafts, and where each item's rows are keyed."""
+    def _verify_batch(self, chunks: list[Chunk], probs: torch.Tensor) -> VerifyBatch:
+        """The kernels' view of the chunks: p [rows, V], the drafts, and where each chunk's rows are keyed."""
         return VerifyBatch(
             probs,
-            self._long([t for i in items if i.drafts for t in i.drafts.tokens]),
-            torch.cumsum(self._long([i.num_drafts for i in items]), dim=0),
-            self._seeds([i.sampling for i in items]),
-            self._long([i.length for i in items]),
+            self._long([t for c in chunks if c.drafts for t in c.drafts.tokens]),
+            torch.cumsum(self._long([c.num_drafts for c in chunks]), dim=0),
+            self._seeds([c.sampling for c in chunks]),
+            self._long([c.end for c in chunks]),
         )
 
-    def _draft_probs(self, items: list[VerifyItem]) -> CompressedProbs:
+    def _draft_probs(self, chunks: list[Chunk]) -> CompressedProbs:
         """q' rows for every draft, [D, K]; drafts verified by ids alone get empty rows."""
-        parts = [i.drafts.probs if i.drafts.probs is not None else no_probs(i.num_drafts) for i in items if i.drafts]
+        parts = [c.drafts.probs if c.drafts.probs is not None else no_probs(c.num_drafts) for c in chunks if c.drafts]
         merged = concat(parts)
         return CompressedProbs(merged.ids.to(self.device), merged.fixed.to(self.device))
 
-    def _rows_of(self, items: list[VerifyItem], group: list[int]) -> list[int]:
-        """The logits rows of the items in group: k + 1 per item."""
-        starts = self._first_rows(items)
-        return [r for b in group for r in range(starts[b], starts[b] + items[b].num_drafts + 1)]
+    def _rows_of(self, chunks: list[Chunk], group: list[int]) -> list[int]:
+        """The logits rows of the chunks in group: k + 1 per chunk."""
+        starts = self._first_rows(chunks)
+        return [r for b in group for r in range(starts[b], starts[b] + chunks[b].num_drafts + 1)]
 
     @staticmethod
-    def _first_rows(items: list[VerifyItem]) -> list[int]:
-        """Each item's first logits row: the rows before it are k + 1 per item."""
+    def _first_rows(chunks: list[Chunk]) -> list[int]:
+        """Each chunk's first logits row: the rows before it are k + 1 per chunk."""
         starts, offset = [], 0
-        for item in items:
+        for chunk in chunks:
             starts.append(offset)
-            offset += item.num_drafts + 1
+            offset += chunk.num_drafts + 1
         return starts
 
     def _seeds(self, samplings: list[Sampling]) -> torch.Tensor:
@@ -260,24 +232,24 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
 
-def verify_greedy(drafts: tuple[int, ...], targets: list[int]) -> ItemResult:
+def verify_greedy(drafts: tuple[int, ...], targets: list[int]) -> ChunkResult:
     """Greedy verification: accept drafts while each equals the target's argmax at its position,
     then emit the argmax after the last accepted one (recovered or bonus token).
     targets: argmax p at the k + 1 verified positions. Same rule as tandem_kernels.rejection's greedy rows."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
         accepted += 1
-    return ItemResult(tokens=[*drafts[:accepted], targets[accepted]], num_accepted=accepted)
+    return ChunkResult(tokens=[*drafts[:accepted], targets[accepted]], num_accepted=accepted)
 
 
-def _process_logits(logits: torch.Tensor, items: list[tuple[int, PrefillItem | VerifyItem]]) -> None:
-    """In place, logits [rows, vocab]: the rules of each item with a logits context, from its first row on."""
-    ruled = [(first, i.sampling, i.logits_context) for first, i in items if i.logits_context is not None]
+def _process_logits(logits: torch.Tensor, chunks: list[tuple[int, Chunk]]) -> None:
+    """In place, logits [rows, vocab]: the rules of each chunk with a logits context, from its first row on."""
+    ruled = [(first, c.sampling, c.logits_context) for first, c in chunks if c.logits_context is not None]
     if ruled:
         process_logits(logits, ruled)
 
 
-def _prompt_logprobs(rows: torch.Tensor, runs: list[PrefillItem] | list[PromptPart],
+def _prompt_logprobs(rows: torch.Tensor, runs: list[Chunk],
                      to_logits: ToLogits) -> list[list[TokenLogprob] | None]:
     """From rows [sum(num_logits), ...] (logits, or what to_logits turns into logits), the logprobs
     of the prompt tokens each run scores, for those that asked (row j scores the token after it)."""
@@ -286,45 +258,55 @@ def _prompt_logprobs(rows: torch.Tensor, runs: list[PrefillItem] | list[PromptPa
     for run in runs:
         scored = rows[start:start + len(run.scored)]
         prompts.append(None if run.prompt_logprobs is None else
-                       sequence_logprobs(scored, run.scored, run.prompt_logprobs, to_logits))
+                       sequence_logprobs(scored, list(run.scored), run.prompt_logprobs, to_logits))
         start += run.num_logits
     return prompts
 
 
-def _last_rows(rows: torch.Tensor, items: list[PrefillItem],
-               to_logits: ToLogits) -> torch.Tensor:
-    """Each item's last row of logits [B, vocab], from which its first token is sampled."""
-    last = rows
-    if any(i.num_logits > 1 for i in items):
-        ends = torch.tensor(list(itertools.accumulate(i.num_logits for i in items)), dtype=torch.int64)
-        last = rows[(ends - 1).to(rows.device)]
-    return last if to_logits is None else to_logits(last)
+def _sampled_rows(chunks: list[Chunk], runs: list[int], sampling: list[int]) -> list[int]:
+    """The forward's rows each sampling chunk verifies, in order: the last 1 + k of its run's rows
+    (its newest token's, then its drafts'); a copy's are those of the chunk it copies."""
+    first_row = dict(zip(runs, itertools.accumulate((chunks[b].num_logits for b in runs), initial=0)))
+    rows = []
+    for b in sampling:
+        source = b if chunks[b].copy_of is None else chunks[b].copy_of
+        end = first_row[source] + chunks[source].num_logits
+        rows.extend(range(end - 1 - chunks[b].num_drafts, end))
+    return rows
+
+
+def _rows_at(rows: torch.Tensor, index: list[int], to_logits: ToLogits) -> torch.Tensor:
+    """The logits at these rows of the forward's rows (logits, or what to_logits turns into them);
+    the rows themselves, not a copy, when they are all of them in order (a verify step's)."""
+    every = len(index) == rows.shape[0] and index == list(range(len(index)))
+    picked = rows if every else rows[torch.tensor(index, dtype=torch.int64).to(rows.device)]
+    return picked if to_logits is None else to_logits(picked)
 
 
 @dataclass(frozen=True, slots=True)
 class RawRows:
-    """The raw logits rows of the items that asked for logprobs, as the forward left them: a view of
-    the step's logits, or a copy for an item whose rows a grammar or logits rules change in place."""
+    """The raw logits rows of the chunks that asked for logprobs, as the forward left them: a view of
+    the step's logits, or a copy for a chunk whose rows a grammar or logits rules change in place."""
 
-    rows: dict[int, torch.Tensor]  # item -> its rows [k + 1, V] (a prefill's: [1, V])
-    top_n: dict[int, int]  # item -> the top alternatives it asked for
+    rows: dict[int, torch.Tensor]  # chunk -> its rows [k + 1, V]
+    top_n: dict[int, int]  # chunk -> the top alternatives it asked for
 
 
-def _raw_rows(logits: torch.Tensor, items: list[tuple[int, PrefillItem | VerifyItem]],
+def _raw_rows(logits: torch.Tensor, chunks: list[tuple[int, Chunk]],
               counts: list[int]) -> RawRows | None:
-    """Before any processing: the rows of the items that ask for logprobs, kept as they are."""
+    """Before any processing: the rows of the chunks that ask for logprobs, kept as they are."""
     rows, top_n = {}, {}
-    for b, (first, item) in enumerate(items):
-        if item.logprobs is None:
+    for b, (first, chunk) in enumerate(chunks):
+        if chunk.logprobs is None:
             continue
         view = logits[first : first + counts[b]]
-        rows[b] = view.clone() if item.grammar is not None or item.logits_context is not None else view
-        top_n[b] = item.logprobs
+        rows[b] = view.clone() if chunk.grammar is not None or chunk.logits_context is not None else view
+        top_n[b] = chunk.logprobs
     return RawRows(rows, top_n) if rows else None
 
 
-def _with_logprobs(results: list[ItemResult], raw: RawRows | None) -> list[ItemResult]:
-    """The results with each emitted token's log-probability: an item's token j was drawn at its row j.
+def _with_logprobs(results: list[ChunkResult], raw: RawRows | None) -> list[ChunkResult]:
+    """The results with each emitted token's log-probability: a chunk's token j was drawn at its row j.
     Only the emitted rows are scored: a verify's rejected drafts cost nothing."""
     if raw is None:
         return results
@@ -340,7 +322,7 @@ def _with_logprobs(results: list[ItemResult], raw: RawRows | None) -> list[ItemR
             for b, r in enumerate(results)]
 
 
-def _unpack(tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[ItemResult]:
+def _unpack(tokens: torch.Tensor, num_accepted: torch.Tensor) -> list[ChunkResult]:
     """One host sync for the whole batch."""
     rows, counts = tokens.tolist(), num_accepted.tolist()
-    return [ItemResult(tokens=row[: n + 1], num_accepted=n) for row, n in zip(rows, counts)]
+    return [ChunkResult(tokens=row[: n + 1], num_accepted=n) for row, n in zip(rows, counts)]

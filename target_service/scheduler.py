@@ -5,7 +5,7 @@ each step every running sequence gets the blocks that step may write. Free block
 prefix give way first, the least recently used first. When the pool is still short, the newest
 running sequence is preempted: it frees its slot (its full blocks stay cached) and waits at the
 head of the queue; re-admitted, it recomputes the KV its new slot lacks in its next verify step
-(`Sequence.replay`), and nothing else about it changes. Each sequence's `num_computed_tokens` says
+(`Chunk.replayed`), and nothing else about it changes. Each sequence's `num_computed_tokens` says
 which positions its slot holds; admission sets it (the prefix cache's hit) and `update`, after each
 step, advances it.
 
@@ -36,7 +36,7 @@ from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
 from target_service.prefix_cache import PrefixCache
 from target_service.sequence import FinishReason, Sequence, SequenceStatus
-from target_service.step_items import PromptPart
+from target_service.step_items import Chunk
 from tandem.model.kv_cache import KVCache
 
 
@@ -46,7 +46,8 @@ class ScheduledBatch:
     long prompts, sequences to decode or verify, and the sequences new to the drafter."""
 
     prefills: list[Sequence]
-    chunks: list[PromptPart]
+    ends: list[Chunk]  # the prefills' last chunks, in their order: each samples its first token
+    parts: list[Chunk]  # earlier chunks of long prompts: they write KV and sample nothing
     decodes: list[Sequence]
     admitted: list[Sequence]
 
@@ -123,15 +124,16 @@ class Scheduler:
         decodes = [s for s in live if s.num_generated]
         budget = _Budget(self.max_num_batched_tokens - sum(map(self._step_tokens, decodes)))
         prefills: list[Sequence] = []
-        chunks: list[PromptPart] = []
+        parts: list[Chunk] = []
         prompts: dict[int, list[Sequence]] = {}  # group -> its samples before their first token
         for seq in live:
             if not seq.num_generated:
                 prompts.setdefault(seq.group, []).append(seq)
         for samples in prompts.values():
-            self._take_prompt(samples, budget, prefills, chunks)
-        admitted = self._admit(full_prefills, budget, prefills, chunks, decodes)
-        return ScheduledBatch(prefills=prefills, chunks=chunks, decodes=decodes, admitted=admitted)
+            self._take_prompt(samples, budget, prefills, parts)
+        admitted = self._admit(full_prefills, budget, prefills, parts, decodes)
+        return ScheduledBatch(prefills=prefills, ends=_prompt_ends(prefills), parts=parts, decodes=decodes,
+                              admitted=admitted)
 
     def prompts_pending(self) -> bool:
         """A prompt waits for its next chunk, or a request waits to be admitted: a step should not wait on drafts."""
@@ -146,13 +148,13 @@ class Scheduler:
         self._forget(seq)
         return True
 
-    def update(self, ran: list[Sequence], chunks: list[PromptPart] = ()) -> None:
+    def update(self, ran: list[Sequence], parts: list[Chunk] = ()) -> None:
         """After a step: each sequence in `ran` committed its tokens (a prompt's first, or a verify's),
-        and its slot holds the KV of all of them but the newest; each chunk's prompt positions up to
+        and its slot holds the KV of all of them but the newest; each part's prompt positions up to
         its end were written."""
         for seq in ran:
             seq.num_computed_tokens = len(seq.token_ids) - 1
-        for part in chunks:
+        for part in parts:
             if (seq := self.sequences.get(part.seq_id)) is not None:  # else released while the step ran
                 seq.num_computed_tokens = part.end
 
@@ -170,7 +172,7 @@ class Scheduler:
         self.metrics.running.set(len(self.running))
         return finished
 
-    def _admit(self, full_prefills: bool, budget: "_Budget", prefills: list[Sequence], chunks: list[PromptPart],
+    def _admit(self, full_prefills: bool, budget: "_Budget", prefills: list[Sequence], parts: list[Chunk],
                decodes: list[Sequence]) -> list[Sequence]:
         """Admit waiting groups while they fit and the budget has tokens left; returns the sequences
         new to the drafter (not the preempted ones coming back)."""
@@ -197,13 +199,13 @@ class Scheduler:
                 self.running.append(seq)
             fresh = [s for s in group if not s.num_generated]
             if fresh and not self._prompt_running(fresh):
-                self._take_prompt(fresh, budget, prefills, chunks)
+                self._take_prompt(fresh, budget, prefills, parts)
         self.metrics.waiting.set(len(self.waiting))
         self.metrics.running.set(len(self.running))
         return admitted
 
     def _take_prompt(self, samples: list[Sequence], budget: "_Budget", prefills: list[Sequence],
-                     chunks: list[PromptPart]) -> None:
+                     parts: list[Chunk]) -> None:
         """The first sample runs the prompt to its end if the budget allows (the others then share it),
         else a chunk of it."""
         leader = samples[0]
@@ -213,8 +215,7 @@ class Scheduler:
             prefills.extend(samples)
             budget.take(remaining)
         elif budget.left > 0:
-            chunks.append(PromptPart(seq_id=leader.seq_id, slot=leader.slot, prompt_ids=leader.prompt_ids, start=start,
-                                     end=start + budget.left, prompt_logprobs=leader.options.prompt_logprobs))
+            parts.append(leader.prompt_chunk(start + budget.left))
             budget.take(budget.left)
 
     def _prompt_running(self, samples: list[Sequence]) -> bool:
@@ -280,6 +281,17 @@ class Scheduler:
     def _forget(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.sequences.pop(seq.seq_id, None)
+
+
+def _prompt_ends(prefills: list[Sequence]) -> list[Chunk]:
+    """Each prefill's last chunk: a request's first sample runs its prompt from what its slot holds
+    (prefix caching, earlier chunks); its other samples, right after it, share its KV (copy_of)."""
+    leaders: dict[int, int] = {}  # group -> the index of its first sample
+    ends = []
+    for b, seq in enumerate(prefills):
+        ends.append(seq.prompt_chunk(len(seq.prompt_ids), copy_of=leaders.get(seq.group)))
+        leaders.setdefault(seq.group, b)
+    return ends
 
 
 class _Budget:

@@ -15,6 +15,7 @@ from tandem_kernels.sampling import Sampling
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.structured import Constraint
 from tandem.structured.grammar import Matcher
+from target_service.step_items import Chunk, Drafts
 from target_service.stops import StopChecker
 
 log = logging.getLogger(__name__)
@@ -102,11 +103,26 @@ class Sequence:
     def num_generated(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
 
-    @property
-    def replay(self) -> list[int]:
-        """The committed tokens before the newest whose KV its slot lacks (after a preemption): its next
-        verify runs them in front."""
-        return self.token_ids[self.num_computed_tokens:-1] if self.num_generated else []
+    def prompt_chunk(self, end: int, copy_of: int | None = None) -> Chunk:
+        """Its prompt from what its slot holds to `end`: at the prompt's end, the chunk samples its
+        first token. copy_of: the chunk of another sample of its request that runs the prompt."""
+        start, prompt, options = self.num_computed_tokens, self.prompt_ids, self.options
+        last = end == len(prompt)
+        return Chunk(seq_id=self.seq_id, slot=self.slot, start=start, token_ids=tuple(prompt[start:end]),
+                     sampling=options.sampling, samples=last, grammar=self.grammar,
+                     logits_context=self.logits_context() if last else None, logprobs=options.logprobs,
+                     prompt_logprobs=options.prompt_logprobs,
+                     scored=tuple(prompt[start + 1:end + 1]) if options.prompt_logprobs is not None else (),
+                     copy_of=copy_of)
+
+    def running_chunk(self, drafts: Drafts | None) -> Chunk:
+        """Its next step once running: the committed tokens its slot lacks KV for (its newest, and
+        after a preemption those before it), then the drafts to verify."""
+        start, options = self.num_computed_tokens, self.options
+        return Chunk(seq_id=self.seq_id, slot=self.slot, start=start, token_ids=tuple(self.token_ids[start:]),
+                     sampling=options.sampling, drafts=drafts, grammar=self.grammar,
+                     logits_context=self.logits_context(drafts.tokens if drafts else ()), logprobs=options.logprobs,
+                     replayed=len(self.token_ids) - 1 - start)
 
     @property
     def draft_steps(self) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from target_service.sequence import Sequence
 from target_service.speculation.proposals import HeldProposal
-from target_service.step_items import Drafts, VerifyItem
+from target_service.step_items import Chunk, Drafts
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,13 +32,8 @@ class PlannedDrafts:
     def num_drafts(self) -> int:
         return 0 if self.drafts is None else len(self.drafts.tokens)
 
-    def verify_item(self) -> VerifyItem:
-        seq = self.seq
-        return VerifyItem(slot=seq.slot, length=len(seq.token_ids), last_token=seq.token_ids[-1],
-                          drafts=self.drafts, sampling=seq.options.sampling, grammar=seq.grammar,
-                          logits_context=seq.logits_context(self.drafts.tokens if self.drafts else ()),
-                          logprobs=seq.options.logprobs,
-                          replay=tuple(seq.replay))
+    def chunk(self) -> Chunk:
+        return self.seq.running_chunk(self.drafts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,5 +67,5 @@ class DraftPlan:
         return DraftPlan(tuple(replace(e, drafts=e.drafts.first(budget)) if e.drafts else e
                                for e, budget in zip(self.entries, budgets, strict=True)))
 
-    def verify_items(self) -> list[VerifyItem]:
-        return [e.verify_item() for e in self.entries]
+    def chunks(self) -> list[Chunk]:
+        return [e.chunk() for e in self.entries]

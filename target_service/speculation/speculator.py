@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from target_service.metrics import TargetMetrics
-from target_service.step_items import ItemResult
+from target_service.step_items import ChunkResult
 from target_service.sequence import Output, Sequence
 from target_service.speculation.drafter_state import DrafterState
 from target_service.speculation.messages import extend_message, open_message
@@ -122,7 +122,7 @@ class Speculator:
         plan = await self._wait_for_drafts(plan, budgets, admission)
         return self._take(states, plan, budgets)
 
-    def account(self, plan: DraftPlan, results: list[ItemResult], outputs: list[Output | None], seconds: float,
+    def account(self, plan: DraftPlan, results: list[ChunkResult], outputs: list[Output | None], seconds: float,
                 cycle: float) -> None:
         """The step's verdicts: results[i] is entry i's, outputs[i] what it committed (None if it ended
         before). Usage and metrics count the accepted drafts that were committed, as a stop discards
@@ -159,7 +159,7 @@ class Speculator:
         self.metrics.observe_guard(self._guard_figures, figures, self.policy.guard.speedup)
         self._guard_figures = figures
 
-    async def publish(self, seqs: list[Sequence], results: list[ItemResult], firsts: list[int]) -> None:
+    async def publish(self, seqs: list[Sequence], results: list[ChunkResult], firsts: list[int]) -> None:
         """Tell the drafter the tokens these sequences committed, with the features of those
         positions (results[i].features start at position firsts[i]) for a drafter that reads them.
 

@@ -1,8 +1,9 @@
 """A service slowed down for a test: `python -m tests.support.slowed --service S --FLAG MS args`.
 
-  --service target_service --min-step-ms MS   each decode or verify step lasts at least MS: a tiny
-                                              model made to step like a larger one, so that a
-                                              drafter of its size is ahead of it
+  --service target_service --min-step-ms MS   each forward of a step (prompts, or the running
+                                              sequences' decode or verify) lasts at least MS: a
+                                              tiny model made to step like a larger one, so that
+                                              a drafter of its size is ahead of it
   --service draft_service --delay-ms MS       each drafting round that drafted something ends MS
                                               later: a slow drafter
 
@@ -53,7 +54,7 @@ def main(argv: list[str]) -> None:
         from target_service.__main__ import main as serve
         from target_service.model_runner import ModelRunner
 
-        ModelRunner.verify = _at_least(flags.min_step_ms / 1000, ModelRunner.verify)
+        ModelRunner.run = _at_least(flags.min_step_ms / 1000, ModelRunner.run)
     else:
         from draft_service.__main__ import main as serve
         from draft_service.scheduler import DraftScheduler

@@ -19,7 +19,7 @@ from target_service.config import TargetConfig
 from target_service.engine import Engine
 from target_service.errors import RequestError
 from target_service.metrics import TargetMetrics
-from target_service.step_items import ItemResult, PrefillItem, PromptPart, VerifyItem
+from target_service.step_items import Chunk, ChunkResult
 from target_service.scheduler import Scheduler
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence, SequenceStatus
 from target_service.speculation.policy import speculation_policy
@@ -51,7 +51,7 @@ class FakeTokenizer:
         return "".join(f"<{i}>" for i in ids)
 
 
-def _scored(run: PrefillItem | PromptPart) -> list[TokenLogprob] | None:
+def _scored(run: Chunk) -> list[TokenLogprob] | None:
     """Scripted prompt logprobs: each token it scores, with the logprob -token."""
     return None if run.prompt_logprobs is None else [TokenLogprob(t, -float(t), 1, ()) for t in run.scored]
 
@@ -65,32 +65,37 @@ class ScriptedRunner:
     def __init__(self, events: list, prompt_of: Callable[[int], tuple[int, ...]]):
         self.events = events
         self.prompt_of = prompt_of  # slot -> the prompt of the sequence running in it
-        self.verified: list[list[VerifyItem]] = []  # the items of every verify call
-        self.prefilled: list[list[PrefillItem]] = []  # the items of every prefill call
-        self.parts: list[list[PromptPart]] = []  # the prompt parts of every prefill call
+        self.verified: list[list[Chunk]] = []  # the chunks of every call that ran the running sequences
+        self.prefilled: list[list[Chunk]] = []  # the prompts' last chunks of every call that ran prompts
+        self.parts: list[list[Chunk]] = []  # the prompts' earlier chunks of every such call
         self.prompts: dict[int, tuple[int, ...]] = {}  # slot -> the prompt last prefilled into it
 
-    def prefill(self, items: list[PrefillItem], capture: tuple[int, ...] = (),
-                parts: list[PromptPart] = ()) -> list[ItemResult]:
-        self.events.append("prefill")
-        self.prefilled.append(items)
-        self.parts.append(list(parts))
-        self.prompts.update((item.slot, tuple(item.prompt_ids)) for item in items)
-        return [ItemResult([CONTINUATIONS[tuple(item.prompt_ids)][0]], 0, prompt_logprobs=_scored(item))
-                for item in items] + [ItemResult([], 0, prompt_logprobs=_scored(part)) for part in parts]
+    def run(self, chunks: list[Chunk], capture: tuple[int, ...] = ()) -> list[ChunkResult]:
+        """The engine runs a step's prompts, then its running sequences, in two calls."""
+        prompts = [c for c in chunks if not c.samples or c.end == len(self.prompt_of(c.slot))]
+        assert all(c.token_ids == self.prompt_of(c.slot)[c.start:c.end] for c in prompts), "its prompt's positions"
+        if prompts:
+            self.events.append("prefill")
+            self.prefilled.append([c for c in prompts if c.samples])
+            self.parts.append([c for c in prompts if not c.samples])
+            return [self._prefill(c) for c in chunks]
+        self.verified.append(chunks)
+        return [self._verify(c) for c in chunks]
 
-    def verify(self, items: list[VerifyItem], capture: tuple[int, ...] = ()) -> list[ItemResult]:
-        self.verified.append(items)
-        return [self._verify(item) for item in items]
+    def _prefill(self, chunk: Chunk) -> ChunkResult:
+        if not chunk.samples:
+            return ChunkResult([], 0, prompt_logprobs=_scored(chunk))
+        self.prompts[chunk.slot] = prompt = self.prompt_of(chunk.slot)
+        return ChunkResult([CONTINUATIONS[prompt][0]], 0, prompt_logprobs=_scored(chunk))
 
-    def _verify(self, item: VerifyItem) -> ItemResult:
-        if item.replay:  # readmitted after a preemption, into any slot
-            self.prompts[item.slot] = self.prompt_of(item.slot)
-        prompt = self.prompts[item.slot]
-        ahead = CONTINUATIONS[prompt][item.length - len(prompt):]
-        drafts = item.drafts.tokens if item.drafts else ()
+    def _verify(self, chunk: Chunk) -> ChunkResult:
+        if chunk.replayed:  # readmitted after a preemption, into any slot
+            self.prompts[chunk.slot] = self.prompt_of(chunk.slot)
+        prompt = self.prompts[chunk.slot]
+        ahead = CONTINUATIONS[prompt][chunk.end - len(prompt):]
+        drafts = chunk.drafts.tokens if chunk.drafts else ()
         accepted = next((j for j, (d, t) in enumerate(zip(drafts, ahead)) if d != t), len(drafts))
-        return ItemResult(tokens=list(ahead[: accepted + 1]), num_accepted=accepted)
+        return ChunkResult(tokens=list(ahead[: accepted + 1]), num_accepted=accepted)
 
 
 @dataclass
@@ -142,8 +147,8 @@ class Harness:
 
     def verified_drafts(self, seq: Sequence) -> list[int]:
         """The drafts the last verify call handed the runner for this sequence."""
-        [item] = [i for i in self.runner.verified[-1] if self.runner.prompts[i.slot] == tuple(seq.prompt_ids)]
-        return list(item.drafts.tokens) if item.drafts else []
+        [chunk] = [c for c in self.runner.verified[-1] if self.runner.prompts[c.slot] == tuple(seq.prompt_ids)]
+        return list(chunk.drafts.tokens) if chunk.drafts else []
 
     def count(self, name: str, **labels: str) -> float:
         value = self.engine.metrics.registry.get_sample_value(name, {"model": "test", "service": "target", **labels})
@@ -500,7 +505,7 @@ async def test_a_requests_samples_wait_for_room_for_all_then_share_one_prefill(m
     h.engine.abort(single)
     await h.engine.step()
     assert [s.status for s in samples] == [SequenceStatus.RUNNING] * 3
-    assert [i.copy_of for i in h.runner.prefilled[-1]] == [None, 0, 0]
+    assert [c.copy_of for c in h.runner.prefilled[-1]] == [None, 0, 0]
     assert [s.options.sampling.seed for s in samples] == [40, 41, 42] and [s.index for s in samples] == [0, 1, 2]
     assert all(s.token_ids == [*PROMPT, T[0]] for s in samples)
 
@@ -545,7 +550,7 @@ async def test_a_prompt_finds_the_full_blocks_another_sequence_computed_and_shar
     second = h.submit(LONG_PROMPT, max_tokens=12)
     await h.engine.step()
     assert (first.cached_tokens, second.cached_tokens) == (0, 16)
-    assert [(i.cached, len(i.prompt_ids)) for items in h.runner.prefilled for i in items] == [(0, 20), (16, 20)]
+    assert [(c.start, c.end) for call in h.runner.prefilled for c in call] == [(0, 20), (16, 20)]
     kv = h.engine.scheduler.kv_cache
     assert kv.block_table(first.slot)[0] == kv.block_table(second.slot)[0]
     assert kv.block_table(first.slot)[1] != kv.block_table(second.slot)[1]
@@ -626,10 +631,11 @@ async def test_a_sequence_short_of_blocks_is_preempted_and_resumes_with_the_same
         await h.engine.step()
     assert a.token_ids == [*PROMPT, *T] and b.token_ids == [*LONG_PROMPT, *CONTINUATIONS[LONG_PROMPT]]
     assert h.count("tandem_num_preemptions_total") == 1
-    [item] = [i for items in h.runner.verified for i in items if i.replay]
+    [chunk] = [c for call in h.runner.verified for c in call if c.replayed]
     held = 16 if prefix_caching else 0
-    assert item.length - 1 - len(item.replay) == held and len(item.replay) > 0
-    assert list(item.replay) == b.token_ids[held : held + len(item.replay)]
+    # it had its prompt (20) and 9 tokens when preempted: all but the newest run again past what its slot held
+    assert (chunk.start, chunk.end, chunk.replayed) == (held, 29, 28 - held)
+    assert list(chunk.token_ids) == b.token_ids[held : chunk.end]
 
 
 # ---- chunked prefill ------------------------------------------------------------------------------
@@ -657,7 +663,7 @@ async def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_sequence_d
             assert h.events[events:events + 2] == ["update", "prefill"], "the Open goes out before the first chunk"
         assert seq.token_ids == (list(CHUNKED_PROMPT) if step < 2 else [*CHUNKED_PROMPT, CONTINUATIONS[CHUNKED_PROMPT][0]])
     assert chunks_run(h)[1:] == [[(0, 18)], [(18, 36)], []]
-    assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(36, 40)]
+    assert [(c.start, c.end) for c in h.runner.prefilled[-1]] == [(36, 40)]
     assert h.count("tandem_prompt_tokens_total") == len(PROMPT) + len(CHUNKED_PROMPT)
 
 
@@ -674,7 +680,7 @@ async def test_the_blocks_a_chunk_fills_are_found_before_its_prompt_ends(make):
     await h.engine.step()
     assert (first.cached_tokens, second.cached_tokens) == (0, 32)
     assert chunks_run(h) == [[(0, 16)], [(16, 32)], []]
-    assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(32, 40), (32, 40)]
+    assert [(c.start, c.end) for c in h.runner.prefilled[-1]] == [(32, 40), (32, 40)]
     assert first.token_ids[40:] == second.token_ids[40:] == [CONTINUATIONS[CHUNKED_PROMPT][0]]
 
 
@@ -698,7 +704,7 @@ async def test_a_prompt_whose_logprobs_are_asked_runs_in_chunks_and_scores_each_
     while len(scored.token_ids) == len(CHUNKED_PROMPT):
         await h.engine.step()
     assert chunks_run(h) == [[(0, 16)], [(16, 32)], [(0, 8)], [(8, 24)], []]
-    assert [[(i.cached, len(i.prompt_ids)) for i in call] for call in h.runner.prefilled][2:] == [[(32, 40)], [], [(24, 40)]]
+    assert [[(c.start, c.end) for c in call] for call in h.runner.prefilled][2:] == [[(32, 40)], [], [(24, 40)]]
     assert scored.cached_tokens == 0 and chunked.token_ids[40:41] == scored.token_ids[40:41]
     assert prompt_scored(scored) == list(CHUNKED_PROMPT[1:])
 
@@ -714,7 +720,7 @@ async def test_a_requests_samples_share_the_prompt_their_first_sample_ran_in_chu
     for _ in range(3):
         await h.engine.step()
     assert [c.slot for call in h.runner.parts for c in call] == [samples[0].slot] * 2
-    assert [(i.copy_of, i.cached) for i in h.runner.prefilled[-1]] == [(None, 32), (0, 0)]
+    assert [(c.copy_of, c.start) for c in h.runner.prefilled[-1]] == [(None, 32), (0, 0)]
     assert all(s.token_ids == [*CHUNKED_PROMPT, CONTINUATIONS[CHUNKED_PROMPT][0]] for s in samples)
 
 
@@ -735,7 +741,7 @@ async def test_a_sequence_preempted_between_chunks_resumes_its_prompt_from_its_c
     assert chunks_run(h)[-2:] == [[(0, 16)], [(16, 32)]]
     while seq.status is not SequenceStatus.FINISHED:
         await h.engine.step()
-    assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(32, 40)]
+    assert [(c.start, c.end) for c in h.runner.prefilled[-1]] == [(32, 40)]
     assert seq.token_ids == [*CHUNKED_PROMPT, *CONTINUATIONS[CHUNKED_PROMPT][:4]] and seq.cached_tokens == 0
     assert [said[0] for said in h.link.told(seq)].count("open") == 1
     assert h.count("tandem_request_queue_time_seconds_count") == 2
@@ -756,7 +762,7 @@ async def test_a_prompt_whose_logprobs_are_asked_runs_again_from_its_start_after
     while len(seq.token_ids) == len(CHUNKED_PROMPT):
         await h.engine.step()
     assert [c for call in chunks_run(h) for c in call] == [(0, 16), (16, 32), (0, 21)]  # the budget is all its own
-    assert [(i.cached, len(i.prompt_ids)) for i in h.runner.prefilled[-1]] == [(21, 40)]
+    assert [(c.start, c.end) for c in h.runner.prefilled[-1]] == [(21, 40)]
     assert prompt_scored(seq) == list(CHUNKED_PROMPT[1:])
 
 # ---- reconnect ----------------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ def test_requests_are_admitted_in_order_while_slots_are_free_and_a_requests_samp
         scheduler.add(samples)
     batch = scheduler.schedule()
     assert batch.admitted == batch.prefills == first + pair
+    assert [(c.seq_id, c.copy_of, c.samples) for c in batch.ends] == [
+        (first[0].seq_id, None, True), (pair[0].seq_id, None, True), (pair[1].seq_id, 1, True)], "the pair shares one run"
     assert all(seq.status is SequenceStatus.RUNNING and seq.slot is not None for seq in first + pair)
     assert list(scheduler.waiting) == last and last[0].status is SequenceStatus.WAITING
     crowded = _scheduler(num_slots=2)
@@ -73,15 +75,17 @@ def test_a_prompt_longer_than_the_step_budget_runs_in_chunks_each_from_where_the
     scheduler.add([long])
     scheduler.add([short])
     batch = scheduler.schedule()
-    assert batch.prefills == [] and [(p.seq_id, p.start, p.end) for p in batch.chunks] == [(long.seq_id, 0, 16)]
+    assert batch.prefills == [] and [(p.seq_id, p.start, p.end, p.samples) for p in batch.parts] == [
+        (long.seq_id, 0, 16, False)]
     assert batch.admitted == [long], "the budget is spent: the next prompt waits for a later step"
-    scheduler.update([], batch.chunks)
+    scheduler.update([], batch.parts)
     assert long.num_computed_tokens == 16
     batch = scheduler.schedule()
-    assert [(p.start, p.end) for p in batch.chunks] == [(16, 32)]
-    scheduler.update([], batch.chunks)
+    assert [(p.start, p.end) for p in batch.parts] == [(16, 32)]
+    scheduler.update([], batch.parts)
     batch = scheduler.schedule()
-    assert batch.chunks == [] and batch.prefills == [long, short], "its last 8 positions, then a prompt that fits"
+    assert batch.parts == [] and batch.prefills == [long, short], "its last 8 positions, then a prompt that fits"
+    assert [(c.start, c.end, c.samples) for c in batch.ends] == [(32, 40, True), (0, 4, True)]
     for seq in batch.prefills:
         seq.token_ids.append(7)  # the first token, as the engine commits it
     scheduler.update(batch.prefills)
@@ -110,7 +114,11 @@ def test_when_blocks_run_short_the_newest_is_preempted_and_comes_back_replaying_
     batch = scheduler.schedule()
     assert batch.decodes == [new] and batch.admitted == [], "it comes back to decode; the drafter has it already"
     assert new.num_computed_tokens == 16, "its first block was cached when it left"
-    assert new.replay == new.token_ids[16:-1]
+    # its next step runs its 31 committed tokens past the 16 its slot holds: 14 again, then the newest
+    chunk = new.running_chunk(None)
+    assert (chunk.start, chunk.end, chunk.replayed) == (16, 31, 14) and chunk.token_ids == tuple(new.token_ids[16:])
+
+
 def test_aborting_a_waiting_sequence_takes_it_out_of_the_queue():
     scheduler = _scheduler(num_slots=1)
     scheduler.add(_request())
