@@ -90,9 +90,12 @@ class ModelRunner:
             verified = dict(zip(sampling, self._verify([chunks[b] for b in sampling], logits, masks)))
         results = []
         for b, chunk in enumerate(chunks):
-            own = features_of.get(b if chunk.copy_of is None else chunk.copy_of)
-            results.append(replace(verified.get(b, ChunkResult([], 0)), prompt_logprobs=scored.get(b),
-                                   features=None if own is None else own[chunk.replayed:]))
+            result = verified.get(b) or ChunkResult([], 0)
+            own, prompt_logprobs = features_of.get(b if chunk.copy_of is None else chunk.copy_of), scored.get(b)
+            if own is not None or prompt_logprobs is not None:
+                result = replace(result, prompt_logprobs=prompt_logprobs,
+                                 features=None if own is None else own[chunk.replayed:])
+            results.append(result)
         return results
 
     def _share_prompts(self, sampling: list[Chunk], chunks: list[Chunk]) -> None:
@@ -253,6 +256,8 @@ def _prompt_logprobs(rows: torch.Tensor, runs: list[Chunk],
                      to_logits: ToLogits) -> list[list[TokenLogprob] | None]:
     """From rows [sum(num_logits), ...] (logits, or what to_logits turns into logits), the logprobs
     of the prompt tokens each run scores, for those that asked (row j scores the token after it)."""
+    if all(run.prompt_logprobs is None for run in runs):
+        return [None] * len(runs)
     prompts: list[list[TokenLogprob] | None] = []
     start = 0
     for run in runs:
@@ -263,9 +268,12 @@ def _prompt_logprobs(rows: torch.Tensor, runs: list[Chunk],
     return prompts
 
 
-def _sampled_rows(chunks: list[Chunk], runs: list[int], sampling: list[int]) -> list[int]:
+def _sampled_rows(chunks: list[Chunk], runs: list[int], sampling: list[int]) -> list[int] | None:
     """The forward's rows each sampling chunk verifies, in order: the last 1 + k of its run's rows
-    (its newest token's, then its drafts'); a copy's are those of the chunk it copies."""
+    (its newest token's, then its drafts'); a copy's are those of the chunk it copies. None when
+    that is every row, in order (a verify step, or prompts that end with no copies or logprobs)."""
+    if all(c.samples and c.copy_of is None and c.prompt_logprobs is None for c in chunks):
+        return None
     first_row = dict(zip(runs, itertools.accumulate((chunks[b].num_logits for b in runs), initial=0)))
     rows = []
     for b in sampling:
@@ -275,11 +283,10 @@ def _sampled_rows(chunks: list[Chunk], runs: list[int], sampling: list[int]) -> 
     return rows
 
 
-def _rows_at(rows: torch.Tensor, index: list[int], to_logits: ToLogits) -> torch.Tensor:
+def _rows_at(rows: torch.Tensor, index: list[int] | None, to_logits: ToLogits) -> torch.Tensor:
     """The logits at these rows of the forward's rows (logits, or what to_logits turns into them);
-    the rows themselves, not a copy, when they are all of them in order (a verify step's)."""
-    every = len(index) == rows.shape[0] and index == list(range(len(index)))
-    picked = rows if every else rows[torch.tensor(index, dtype=torch.int64).to(rows.device)]
+    index None: every row, the rows themselves and not a copy."""
+    picked = rows if index is None else rows[torch.tensor(index, dtype=torch.int64).to(rows.device)]
     return picked if to_logits is None else to_logits(picked)
 
 

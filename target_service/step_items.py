@@ -79,7 +79,7 @@ class Chunk:
 
     @property
     def num_drafts(self) -> int:
-        return len(self.draft_tokens)
+        return 0 if self.drafts is None else len(self.drafts.tokens)
 
     @property
     def draft_tokens(self) -> tuple[int, ...]:
