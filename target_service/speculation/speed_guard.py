@@ -19,7 +19,8 @@ the guard holds it off; above c (1 + MARGIN) it lets it speculate again.
 Each kind of step needs measuring while the other is the rule, so exploring windows of
 WINDOW_STEPS steps interrupt the rule: an off window (no sequence speculates) while some speculate,
 an on window (every sequence may) while some are held off. A window comes at once when the batch
-size at hand has no measurement of the kind it needs, and otherwise every EXPLORE_PERIOD steps, up
+size at hand has no measurement of the kind it needs, and otherwise every EXPLORE_PERIOD steps;
+an off window waits for the trials running (below), at most a trial's length, up
 to four times rarer the further the measured speed-up is from 1, as they cost what the rule gains.
 A new sequence speculates for its first TRIAL_STEPS measured steps, so that a request that copies
 its prompt is found out at once; only SHORT_TRIAL_STEPS while the measured speed-up is far below 1
@@ -43,6 +44,7 @@ SHORT_TRIAL_BELOW = 0.8
 MARGIN = 0.02  # hysteresis around break-even
 PRIOR_STEPS = 4.0  # a sequence's tokens per step start as the recent sequences', worth this many steps
 MAX_LEAD = 8  # steps ahead that drafts are asked for before an on window, at most
+_SETTLE_STEPS = 2  # steps of a mode before its steps are measured: drafts asked take a step to come
 _SMOOTHING = 0.05  # weight of the newest step in the step-time averages and the prior
 _SEQUENCE_KEEP = 1 - 1 / 32  # a sequence's own tokens per step weigh its last ~32 speculating steps
 
@@ -123,6 +125,7 @@ class SpeedGuard:
         self._next_window = EXPLORE_PERIOD
         self._last_kind = False  # the kind of the last window, to alternate in mixed batches
         self._modes: list[bool] = []  # the batch's mode (on/off) in recent steps, newest last
+        self._due_since: int | None = None  # the step an off window fell due while a trial ran
         self.figures = GuardFigures()
 
     # ---- what the steps may do ------------------------------------------------------------------
@@ -148,8 +151,10 @@ class SpeedGuard:
 
     def new_drafter(self, records: list[GuardRecord]) -> None:
         """A drafter (re)connected: what speculating cost with the last one says nothing of this one.
-        Its measurements are forgotten, and the running sequences get a trial again."""
+        Its measurements are forgotten, and the running sequences get a trial again, which no window
+        overdue from the time without a drafter interrupts: the next comes a period on."""
         self._times[True].clear()
+        self._window, self._next_window = None, self._step + EXPLORE_PERIOD
         self._prior, self._speedup = _Average(), _Average()
         for record in records:
             record.tokens = record.steps = 0.0
@@ -178,11 +183,14 @@ class SpeedGuard:
         speculating = any(r.trial or not r.held_off for r in records)
         held = any(r.held_off and not r.trial for r in records)
         batch = len(records)
-        unmeasured_off = speculating and self._closest(False, batch) is None and self._step >= TRIAL_STEPS
+        unmeasured_off = speculating and self._closest(False, batch) is None
         unmeasured_on = held and self._closest(True, batch) is None
         if not (unmeasured_off or unmeasured_on) and (self._step < self._next_window or not (speculating or held)):
             return
         on = unmeasured_on or (held and not unmeasured_off and (not speculating or not self._last_kind))
+        if not on and self._trial_running(records):
+            return
+        self._due_since = None
         start = self._step + (lead if on else 0)
         self._window = _Window(on, start, start + WINDOW_STEPS, lead if on else 0)
         self._last_kind = on
@@ -190,6 +198,16 @@ class SpeedGuard:
             self.figures.on_windows += 1
         else:
             self.figures.off_windows += 1
+
+    def _trial_running(self, records: list[GuardRecord]) -> bool:
+        """A sequence is on its trial, which an off window would interrupt (a request that copies its
+        prompt copies in its first steps): the window waits, at most a trial's length (its measured
+        steps and the two settling steps before them) from when it fell due."""
+        if not any(r.trial for r in records):
+            return False
+        if self._due_since is None:
+            self._due_since = self._step
+        return self._step - self._due_since < TRIAL_STEPS + _SETTLE_STEPS
 
     def _period(self) -> int:
         if not self._speedup.count:
@@ -202,9 +220,9 @@ class SpeedGuard:
     def observe(self, step: StepResult) -> None:
         """A step's realized cycle; steps right after a change of mode are not measured."""
         on = any(step.speculating)
-        settled = len(self._modes) >= 2 and self._modes[-1] == on and self._modes[-2] == on
+        settled = len(self._modes) >= _SETTLE_STEPS and all(mode == on for mode in self._modes)
         settled &= self._window is None or not self._window.leading(self._step)
-        self._modes = [*self._modes[-1:], on]
+        self._modes = [*self._modes[1 - _SETTLE_STEPS:], on]
         self._step += 1
         if settled and step.seconds > 0:
             batch = len(step.records)

@@ -113,7 +113,8 @@ AWFUL = Behaviour(tokens=1, extra=0.020)  # speculating doubles the step and add
 
 def test_while_speculation_loses_far_too_much_a_new_chat_gets_only_a_short_trial():
     guard = SpeedGuard()
-    run(guard, [GuardRecord()], [AWFUL], 3 * EXPLORE_PERIOD)
+    # The first sequence's trial runs whole, then the off window: its on windows measure the loss.
+    run(guard, [GuardRecord()], [AWFUL], 6 * EXPLORE_PERIOD)
     assert guard.speedup < SHORT_TRIAL_BELOW
     newcomer = guard.new_record()
     assert newcomer.trial_steps == SHORT_TRIAL_STEPS < TRIAL_STEPS
@@ -192,3 +193,15 @@ def test_an_off_window_leaves_the_cost_models_own_verdict_alone():
     assert policy.guard.figures.off_windows == 1
     assert asked[0] > 0 and 0 in asked  # asked, then not during the off window
     assert asked[-1] > 0 and not record.paused
+
+
+def test_an_off_window_waits_for_a_new_sequences_trial():
+    """A request that copies its prompt copies in its first steps: an off window for a batch size
+    not yet measured comes after its trial, not at its first step."""
+    guard = SpeedGuard()
+    record = GuardRecord()
+    trace = run(guard, [record], [PAYS], 4 * TRIAL_STEPS)
+    allowed = [ok for [ok] in trace.allowed]
+    first_off = allowed.index(False)
+    assert all(allowed[:first_off]) and first_off >= TRIAL_STEPS + 2, f"an off window at step {first_off}"
+    assert not all(allowed), "the off window came once the trial was done"
