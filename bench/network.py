@@ -2,7 +2,7 @@
 
     python -m bench.network [--rtts loopback,0,1,4,10,40] [--drafters model,suffix+model,suffix/max-predraft-depth=1]
                             [--kinds chat,rewrite] [--num-prompts 8] [--concurrency 1,8]
-                            [--max-tokens 128] [--jitter-ms 0] [--eagle-head HEAD]
+                            [--max-tokens 128] [--jitter-ms 0] [--eagle-head HEAD] [--pin]
                             [--out bench/results/network]
 
 One phase per link: the draft service of each drafter, a delay proxy (bench/delay_proxy.py) in
@@ -10,7 +10,9 @@ front of it at that round trip (none for `loopback`), and a target whose --draft
 and the target alone (no drafter), all started afresh for the phase. Every configuration is up at once, each
 with one thread, and each group of requests (one prompt, or --concurrency of them at once) goes to
 every configuration in turn, the order rotating from group to group, so that the machine's drift
-falls on all alike. Greedy, so a pair's outputs must equal the target alone's.
+falls on all alike. Greedy, so a pair's outputs must equal the target alone's. With --pin, the targets run
+on CPU 0 and the drafters, proxies and this driver on the other CPUs, as if the drafter had a
+machine of its own (the memory bus stays shared).
 
 Per phase, kind, concurrency and configuration it reports: tokens/s and its ratio to the target
 alone of the same phase; the mean of each stream's decode rate (tokens after its first, per second
@@ -156,6 +158,8 @@ def run_phase(link: str, args: argparse.Namespace, prompts: dict[str, list[Promp
         for pair in pairs:
             pair.draft.wait_healthy(300)
             pair.target.wait_metric("tandem_drafter_connected", 1.0)
+        if args.pin:
+            pin_services(services)
         for service in services:
             for kind in args.kinds:
                 asyncio.run(run_group(service.target.address, warm[kind], 32))
@@ -170,6 +174,22 @@ def run_phase(link: str, args: argparse.Namespace, prompts: dict[str, list[Promp
     finally:
         for service in services:
             service.stop()
+
+
+TARGET_CPUS = {0}  # --pin: the targets' CPU; the drafters, proxies and this driver get the others
+
+
+def other_cpus() -> set[int]:
+    return os.sched_getaffinity(0) - TARGET_CPUS
+
+
+def pin_services(services: list[Service]) -> None:
+    """Every target on TARGET_CPUS, every drafter and proxy on the other CPUs: each thread of each process."""
+    for service in services:
+        for role, process in service.processes().items():
+            cpus = TARGET_CPUS if role == "target" else other_cpus()
+            for task in Path(f"/proc/{process.pid}/task").iterdir():
+                os.sched_setaffinity(int(task.name), cpus)
 
 
 def drive(link: str, kind: str, concurrency: int, services: list[Service], batches: list[list[Prompt]],
@@ -283,6 +303,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="each way, uniform in [0, this]")
     parser.add_argument("--eagle-head", help="an EAGLE-3 head folder for the drafter eagle3 (distill --kind eagle3)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "network")
+    parser.add_argument("--pin", action="store_true",
+                        help="targets on CPU 0; drafters, proxies and the driver on the others, as if the "
+                             "drafter had a machine of its own (the memory bus stays shared)")
     args = parser.parse_args(argv)
     args.rtts = args.rtts.split(",")
     args.drafters = args.drafters.split(",")
@@ -294,11 +317,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     if EAGLE3 in kinds_of_drafters and not args.eagle_head:
         parser.error("the drafter eagle3 needs --eagle-head")
+    if args.pin and not (TARGET_CPUS < os.sched_getaffinity(0) and other_cpus()):
+        parser.error(f"--pin needs CPUs {sorted(TARGET_CPUS)} and at least one other")
     return args
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if args.pin:
+        os.sched_setaffinity(0, other_cpus())
     everything = load_prompts()
     by_kind = {kind: [p for p in everything if p.kind == kind] for kind in args.kinds}
     prompts = {kind: ps[:args.num_prompts] for kind, ps in by_kind.items()}

@@ -1,10 +1,17 @@
 """bench.network's rows: the ratios a configuration is judged by, from what its requests did."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from bench import network
 from bench.scrape import COUNTERS
+from tandem.launch import ServiceProcess
 
 
 def _cell(config: str, seconds: float, ttfts: list[float], decode_rates: list[float], **counters: float) -> network.NetworkCell:
@@ -43,3 +50,22 @@ def test_a_drafter_may_carry_its_own_flags_so_that_two_settings_run_side_by_side
     assert network.drafter_flags("suffix/no-prefix-caching", args)[-1] == "--no-prefix-caching"
     with pytest.raises(SystemExit):
         network.parse_args(["--drafters", "medusa/max-fanout=2"])
+
+
+def test_pin_puts_every_thread_of_a_target_on_its_cpu_and_of_a_drafter_on_the_others():
+    script = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    processes = {role: subprocess.Popen([sys.executable, "-c", script]) for role in ("target", "draft")}
+    try:
+        time.sleep(0.5)  # both threads started
+        service = network.Service("suffix", ServiceProcess("target_service", process=processes["target"]),
+                                  ServiceProcess("draft_service", process=processes["draft"]))
+        network.pin_services([service])
+        for role, process in processes.items():
+            tasks = list(Path(f"/proc/{process.pid}/task").iterdir())
+            assert len(tasks) == 2
+            expected = network.TARGET_CPUS if role == "target" else network.other_cpus()
+            assert all(os.sched_getaffinity(int(task.name)) == expected for task in tasks), role
+    finally:
+        for process in processes.values():
+            process.kill()
+            process.wait()
