@@ -16,6 +16,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from tests.support.service_fixtures import PROMPTS, greedy_request, metric, run_requests, scrape
+from tandem.launch import ServiceProcess
 from tandem.tokenizer import Tokenizer
 
 MAX_TOKENS = 24
@@ -89,11 +90,30 @@ def test_min_tokens_and_include_stop_str_in_output_are_served(front_doors, stub,
     assert tokenizer.decode(list(kept.output_ids), skip_special_tokens=True).startswith(stop)
 
 
-def test_speculation_counts_arrive_in_the_complete_message(stub, tokenizer):
+@pytest.fixture(scope="module")
+def speculating_stub(shared_drafter, tmp_path_factory):
+    """A target of its own that verifies drafts at every step (--sync-speculation): whether a request
+    speculates then does not hang on what the shared target's policy learned from other tests' chats."""
+    target = ServiceProcess("target_service", ["--threads", "1", "--max-model-len", "512", "--sync-speculation",
+                                               "--drafter", shared_drafter.address],
+                            log_path=tmp_path_factory.mktemp("sync-target") / "target.log")
+    try:
+        target.start().wait_healthy().wait_metric("tandem_drafter_connected", 1)
+        with grpc.insecure_channel(target.address) as channel:
+            yield vllm_engine_pb2_grpc.VllmEngineStub(channel), target
+    finally:
+        target.kill()
+
+
+def test_speculation_counts_arrive_in_the_complete_message(speculating_stub, tokenizer):
+    stub, target = speculating_stub
     ids = tokenizer.encode("Repeat: " + " ".join(["alpha beta gamma delta"] * 6))
     [complete] = [r.complete for r in stub.Generate(_request(ids, stream=False, temperature=0.0, max_tokens=48),
                                                     timeout=60)]
     assert complete.spec_draft_tokens >= complete.spec_accepted_tokens > 0
+    samples = scrape(target.metrics_url)  # the request's counts are the target's: it served no other
+    assert complete.spec_draft_tokens == metric(samples, "tandem_spec_decode_num_draft_tokens_total")
+    assert complete.spec_accepted_tokens == metric(samples, "tandem_spec_decode_num_accepted_tokens_total")
 
 
 def test_structured_output_maps_onto_the_constraint(stub, tokenizer):
