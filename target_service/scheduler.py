@@ -46,10 +46,21 @@ class ScheduledBatch:
     long prompts, sequences to decode or verify, and the sequences new to the drafter."""
 
     prefills: list[Sequence]
-    ends: list[Chunk]  # the prefills' last chunks, in their order: each samples its first token
     parts: list[Chunk]  # earlier chunks of long prompts: they write KV and sample nothing
     decodes: list[Sequence]
     admitted: list[Sequence]
+
+    @property
+    def ends(self) -> list[Chunk]:
+        """The prefills' last chunks, in their order, each sampling its first token: a request's first
+        sample runs its prompt from what its slot holds (prefix caching, earlier chunks); its other
+        samples, right after it, share its KV (copy_of)."""
+        leaders: dict[int, int] = {}  # group -> the index of its first sample
+        ends = []
+        for b, seq in enumerate(self.prefills):
+            ends.append(seq.prompt_chunk(len(seq.prompt_ids), copy_of=leaders.get(seq.group)))
+            leaders.setdefault(seq.group, b)
+        return ends
 
 
 class Scheduler:
@@ -132,8 +143,7 @@ class Scheduler:
         for samples in prompts.values():
             self._take_prompt(samples, budget, prefills, parts)
         admitted = self._admit(full_prefills, budget, prefills, parts, decodes)
-        return ScheduledBatch(prefills=prefills, ends=_prompt_ends(prefills), parts=parts, decodes=decodes,
-                              admitted=admitted)
+        return ScheduledBatch(prefills=prefills, parts=parts, decodes=decodes, admitted=admitted)
 
     def prompts_pending(self) -> bool:
         """A prompt waits for its next chunk, or a request waits to be admitted: a step should not wait on drafts."""
@@ -281,17 +291,6 @@ class Scheduler:
     def _forget(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.sequences.pop(seq.seq_id, None)
-
-
-def _prompt_ends(prefills: list[Sequence]) -> list[Chunk]:
-    """Each prefill's last chunk: a request's first sample runs its prompt from what its slot holds
-    (prefix caching, earlier chunks); its other samples, right after it, share its KV (copy_of)."""
-    leaders: dict[int, int] = {}  # group -> the index of its first sample
-    ends = []
-    for b, seq in enumerate(prefills):
-        ends.append(seq.prompt_chunk(len(seq.prompt_ids), copy_of=leaders.get(seq.group)))
-        leaders.setdefault(seq.group, b)
-    return ends
 
 
 class _Budget:

@@ -1,6 +1,8 @@
 """Random-weight models of real shapes, for tests and GPU benchmarks where checkpoints can't travel."""
 from __future__ import annotations
 
+import itertools
+
 import gguf
 import numpy as np
 import torch
@@ -80,6 +82,6 @@ def random_blocks(rows: int, cols: int, ggml_type: gguf.GGMLQuantizationType, se
 def random_block_weights(config: ModelConfig, ggml_type: gguf.GGMLQuantizationType, seed: int = 0) -> ModelWeights:
     """random_weights with every matrix (embedding and head included) in random blocks of ggml_type,
     for speed measurements of each type on a model's shapes."""
-    seeds = iter(range(seed, seed + 10**6))
+    seeds = itertools.count(seed)
     return random_weights(config, seed, dtype=torch.bfloat16).map_matrices(
         lambda matrix: random_blocks(*matrix.shape, ggml_type, next(seeds)))

@@ -186,6 +186,7 @@ class SpeedGuard:
         unmeasured_off = speculating and self._closest(False, batch) is None
         unmeasured_on = held and self._closest(True, batch) is None
         if not (unmeasured_off or unmeasured_on) and (self._step < self._next_window or not (speculating or held)):
+            self._due_since = None
             return
         on = unmeasured_on or (held and not unmeasured_off and (not speculating or not self._last_kind))
         if not on and self._trial_running(records):
