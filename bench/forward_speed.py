@@ -2,6 +2,7 @@
 
     python -m bench.forward_speed [--threads 1,2] [--rounds 5] [--context 128] [--max-k 8] [--torch]
                                   [--quantizations none,auto,q8_0,q4_0] [--isas avx2,avx512_bf16]
+                                  [--kv-cache-dtypes auto,bfloat16,float16,float32]
                                   [--random --model llama-3.2-1b --block-types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K]
 
 Against a KV cache already holding `--context` tokens per sequence, batch 1 and batch 8: a decode
@@ -16,6 +17,7 @@ pay (a verify of k drafts adds 1 + alpha + ... + alpha^k tokens for that cost).
 matrices quantized at load. --block-types (with --random): the model's shapes with every matrix
 in random blocks of each GGML type, each a variant. --isas: the native decoder's builds
 (tandem/model/native.py) to compare, each a variant; by default the best this CPU runs.
+--kv-cache-dtypes: the KV cache's element type, each a variant (auto: build_model's choice).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from gguf import GGMLQuantizationType
 from tandem.config import ModelConfig
 from tandem.model import native
 from tandem.model.batch import SequenceChunk
+from tandem.model.kv_cache import KV_CACHE_DTYPES
 from tandem.model.llama import Backend, LlamaModel, ModelWeights, build_model
 from tandem.model.random_weights import SHAPES, random_block_weights, random_weights
 from tandem.quantization import quantize
@@ -59,12 +62,12 @@ def steps(context: int, max_k: int) -> dict[tuple[int, int], list[SequenceChunk]
     return cases
 
 
-def prefilled(config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, backend: Backend, isa: str,
-              context: int) -> LlamaModel:
+def prefilled(config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, kv_cache_dtype: str, backend: Backend,
+              isa: str, context: int) -> LlamaModel:
     os.environ["TANDEM_NATIVE_ISA"] = isa  # the native build native.load() picks ("": the best), as the tests do
     native.load.cache_clear()
     model = build_model(config, weights, dtype=dtype, device=torch.device("cpu"), num_slots=8,
-                        max_model_len=context + 16, backend=backend)
+                        max_model_len=context + 16, backend=backend, kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype])
     prompt = list(range(2000, 2000 + context))
     model.run([SequenceChunk(slot, 0, prompt) for slot in range(8)])
     return model
@@ -83,6 +86,7 @@ def main() -> None:
     parser.add_argument("--random", action="store_true", help="random weights of the model's shape")
     parser.add_argument("--dtypes", default="bfloat16")
     parser.add_argument("--quantizations", default="none", help="comma-separated: none, auto, q8_0, q4_0")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: auto, bfloat16, float16, float32")
     parser.add_argument("--block-types", default="", help="with --random: comma-separated GGML types")
     parser.add_argument("--isas", default="", help="comma-separated native builds (avx2, avx512, avx512_bf16, amx)")
     parser.add_argument("--threads", default="1", help="comma-separated thread counts for the native decoder")
@@ -100,11 +104,12 @@ def main() -> None:
                    for name in args.dtypes.split(",") for quantization in args.quantizations.split(",")}
     for name in filter(None, args.block_types.split(",")):
         weight_sets[torch.bfloat16, name] = random_block_weights(config, GGMLQuantizationType[name])
-    precisions = list(weight_sets)
+    # (compute dtype, quantization or block type, KV cache dtype)
+    precisions = [(*w, kv) for w in weight_sets for kv in args.kv_cache_dtypes.split(",")]
     isas = args.isas.split(",") if args.isas else [""]
     variants = (([("torch", thread_counts[0], "")] if args.torch else [])
                 + [("native", n, isa) for isa in isas for n in thread_counts])
-    models = {(p, backend, isa): prefilled(config, weight_sets[p], p[0], backend, isa, args.context)
+    models = {(p, backend, isa): prefilled(config, weight_sets[p[:2]], p[0], p[2], backend, isa, args.context)
               for p in precisions for backend, isa in {(v[0], v[2]) for v in variants}}
     cases = steps(args.context, args.max_k)
     times: dict[tuple, list[float]] = {(c, p, v): [] for c in cases for p in precisions for v in variants}
@@ -120,7 +125,8 @@ def main() -> None:
           f"(median ms per forward; xN: verify / decode of the same batch and variant)")
     for precision in precisions:
         for batch in (1, 8):
-            print(f"\n{str(precision[0]).removeprefix('torch.')}, quantization {precision[1]}, batch {batch}")
+            print(f"\n{str(precision[0]).removeprefix('torch.')}, quantization {precision[1]}, KV cache "
+                  f"{precision[2]}, batch {batch}")
             print(f"{'step':12}" + "".join(f"{name:>24}" for name in names))
             for k in range(args.max_k + 1):
                 label = "decode" if k == 0 else f"verify k={k}"

@@ -9,6 +9,7 @@ import torch
 
 from tandem_kernels.compression import DEFAULT_TOP_K, MAX_VOCAB
 from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
+from tandem.model.kv_cache import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
 from tandem.protos import MAX_PREDRAFT_DEPTH
 from tandem.registry import DEFAULT_DRAFT_MODEL
@@ -31,6 +32,7 @@ class DraftConfig:
     device: str = "cpu"
     dtype: str = "auto"  # bf16 for a drafter file, on CUDA and on CPUs with the native decoder, else fp32
     quantization: str = "auto"  # model drafters: one of tandem.quantization.QUANTIZATIONS
+    kv_cache_dtype: str = "auto"  # model drafters: a key of tandem.model.kv_cache.KV_CACHE_DTYPES
     threads: int = 1  # torch threads; one core per service by default (docs/design/runtime.md, CPU threads)
     num_slots: int = 8
     prefix_caching: bool = True  # a closed sequence's slots keep their KV for a prompt with the same first tokens
@@ -61,7 +63,8 @@ class DraftConfig:
     def __post_init__(self) -> None:
         self.log_level = self.log_level.lower()
         _check_ranges(self)
-        for name, allowed in (("drafter", DRAFTER_KINDS), ("log_level", LOG_LEVELS), ("quantization", QUANTIZATIONS)):
+        for name, allowed in (("drafter", DRAFTER_KINDS), ("log_level", LOG_LEVELS), ("quantization", QUANTIZATIONS),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         self.server_tls()
@@ -96,6 +99,7 @@ HELP = {
     "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 for a distilled drafter file, on CUDA and on "
              "x86 CPUs the native decoder runs on, else float32)",
     "quantization": f"model drafters: {QUANTIZATION_HELP}",
+    "kv_cache_dtype": f"model drafters: {KV_CACHE_DTYPE_HELP}",
     "threads": "torch CPU threads; give each service its own cores",
     "num_slots": "KV slots: sequences drafted at once; further Opens are refused",
     "prefix_caching": "model drafters: a closed sequence's KV slots keep their KV, and a new sequence whose tokens "

@@ -8,6 +8,7 @@ import logging
 from target_service.config import TargetConfig
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
 from tandem.grpc_server import install_event_loop, set_torch_threads
+from tandem.model.kv_cache import KV_CACHE_DTYPE_HELP
 from tandem.quantization import QUANTIZATION_HELP
 
 HELP = {
@@ -22,6 +23,7 @@ HELP = {
     "dtype": "auto, float32 or bfloat16 (auto: bfloat16 on CUDA and on x86 CPUs the native decoder runs on, "
              "else float32)",
     "quantization": QUANTIZATION_HELP,
+    "kv_cache_dtype": KV_CACHE_DTYPE_HELP,
     "threads": "torch CPU threads; give each service its own cores",
     "max_num_seqs": "running sequences, each with its own KV block table",
     "kv_cache_tokens": "the KV cache's size in tokens, in whole blocks (0: max-num-seqs x max-model-len); "

@@ -7,7 +7,7 @@ from pathlib import Path
 from target_service.front_doors.tool_parsers import TOOL_PARSERS
 from target_service.speculation.addresses import DrafterAddresses
 from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
-from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, PAGE_SIZE
+from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, KV_CACHE_DTYPES, PAGE_SIZE
 from tandem.quantization import QUANTIZATIONS
 from tandem.tls import ClientTls, ServerTls, read_token
 
@@ -40,6 +40,7 @@ class TargetConfig:
     max_num_seqs: int = 8  # running sequences, one KV slot (block table) each
     max_model_len: int = 2048
     kv_cache_tokens: int = 0  # the KV cache's size in tokens, in whole blocks; 0: max_num_seqs x max_model_len
+    kv_cache_dtype: str = "auto"  # a key of tandem.model.kv_cache.KV_CACHE_DTYPES
     block_size: int = DEFAULT_BLOCK_SIZE  # KV positions per block, a multiple of 16: the unit of allocation and prefix caching
     # tokens one step runs at most, running sequences' first; longer prompts are prefilled in chunks
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -107,8 +108,10 @@ class TargetConfig:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
         if self.auth_token and self.auth_token_file:
             raise ValueError("give --auth-token or --auth-token-file, not both")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        for name, allowed in (("quantization", QUANTIZATIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
 
     def server_tls(self) -> ServerTls | None:
         return ServerTls.from_flags(self.tls_cert, self.tls_key, self.tls_client_ca)

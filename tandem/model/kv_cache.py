@@ -10,10 +10,15 @@ import torch
 from tandem.config import ModelConfig
 from tandem.model.block_pool import BlockPool, CacheFullError
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "PAGE_SIZE", "CacheFullError", "KVCache"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "KV_CACHE_DTYPES", "PAGE_SIZE", "CacheFullError", "KVCache"]
 
 PAGE_SIZE = 16  # positions per page: what every attention path reads a block table in; the native decoder's K pages
 DEFAULT_BLOCK_SIZE = 16  # positions per KV block, as in vLLM: a multiple of PAGE_SIZE (--block-size)
+# --kv-cache-dtype; auto (None): build_model's choice
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_CACHE_DTYPE_HELP = ("auto, bfloat16, float16 or float32: the KV cache's element type (auto: --dtype, but "
+                       "float16 for bfloat16 when a GGUF runs in its own block types on the native CPU decoder, "
+                       "as llama.cpp keeps it); one other than --dtype needs the native CPU decoder")
 
 
 class KVCache:

@@ -171,6 +171,7 @@ def build_model(
     cuda_graphs: bool | None = None,
     kv_cache_tokens: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> LlamaModel:
     """backend "native" insists on the native decoder (ValueError where it can't run).
 
@@ -180,6 +181,11 @@ def build_model(
 
     kv_cache_tokens: the KV pool's size in tokens (whole blocks of block_size); None: num_slots x
     max_model_len.
+
+    kv_cache_dtype: None: `dtype`, but fp16 for bf16 with GGUF blocks on the native decoder (the
+    cache is then the only bf16 left), as llama.cpp keeps it. A bf16 cache there parted from
+    transformers' greedy text on 3 of the 12 held-out prompts where fp16 and fp32 parted on none
+    (docs/benchmarks.md); fp16 costs bf16's bytes.
     """
     device = torch.device(device)
     static_steps = cuda_graphs if cuda_graphs is not None else (
@@ -193,7 +199,11 @@ def build_model(
     if weights.in_blocks and not use_native:  # only the native decoder multiplies blocks
         weights = dequantized(weights)
     weights = weights.to(dtype, device)
-    cache = KVCache(config, num_slots=num_slots, max_len=max_model_len, dtype=dtype, device=device,
+    if kv_cache_dtype is None:
+        kv_cache_dtype = torch.float16 if use_native and weights.in_blocks and dtype == torch.bfloat16 else dtype
+    if kv_cache_dtype != dtype and not use_native:
+        raise ValueError(f"a {kv_cache_dtype} KV cache for {dtype} compute needs the native CPU decoder")
+    cache = KVCache(config, num_slots=num_slots, max_len=max_model_len, dtype=kv_cache_dtype, device=device,
                     transposed_keys=use_native, spare_slot=static_steps, block_size=block_size,
                     num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size))
     inv_freq = weights.rope_inv_freq if weights.rope_inv_freq is not None else rope_inv_freq(config)

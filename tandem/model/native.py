@@ -30,6 +30,7 @@ SOURCES = ("decoder.c", "blocks.h", "block_kernels.h", "gemm.h", "pool.h", "vec.
 PANEL = 16  # output columns per packed panel (gemm.h)
 KEY_BLOCK = 16  # positions per block of the K cache (decoder.c)
 WEIGHTS_F32, WEIGHTS_BF16, WEIGHTS_BLOCKS = 0, 1, 2  # how a model's matrices are stored (gemm.h)
+KV_F32, KV_BF16, KV_F16 = 0, 1, 2  # the KV cache's element type (decoder.c)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,7 @@ class CModel(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int), ("intermediate", ctypes.c_int), ("num_layers", ctypes.c_int),
                 ("num_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
                 ("max_len", ctypes.c_int), ("pool_positions", ctypes.c_int64), ("block_tables", ctypes.c_void_p),
-                ("weights_kind", ctypes.c_int), ("kv_bf16", ctypes.c_int),
+                ("weights_kind", ctypes.c_int), ("kv_type", ctypes.c_int),
                 ("eps", ctypes.c_float), ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
                 ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("lm_head", PackedMatrix),
                 ("layers", ctypes.POINTER(CLayer))]

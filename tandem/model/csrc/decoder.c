@@ -12,7 +12,7 @@
    Semantics (tandem/model/torch_decoder.py is the PyTorch reference the tests compare with):
    the residual stream, norms, RoPE, softmax and accumulation are fp32; with bf16 weights the
    inputs of each matrix multiply are rounded to bf16 (as torch's bf16 path does), and the KV
-   cache may be bf16. Each row's result depends only on its own tokens and cache, never on the
+   cache may be bf16 or fp16. Each row's result depends only on its own tokens and cache, never on the
    batch, the row tiling or the number of threads: greedy output with speculation stays
    token-identical to the target alone. */
 #include <math.h>
@@ -21,6 +21,8 @@
 #include "gemm.h"
 #include "pool.h"
 #include "vec.h"
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };  /* the KV cache's element type */
 
 #define KEY_BLOCK 16     /* positions per KV page (kv_cache.PAGE_SIZE); K pages are [head_dim, 16],
                             so a page's scores are vector FMAs */
@@ -43,7 +45,7 @@ typedef struct {
     int64_t pool_positions; /* pool blocks * KEY_BLOCK: one KV head's share of a layer's cache */
     const int32_t* block_tables;  /* [slots, max_len / KEY_BLOCK]: a slot's position p is in block
                                      block_tables[slot][p / KEY_BLOCK] */
-    int weights_kind, kv_bf16;  /* weights_kind: WEIGHTS_F32, WEIGHTS_BF16 or WEIGHTS_BLOCKS (gemm.h) */
+    int weights_kind, kv_type;  /* WEIGHTS_F32, WEIGHTS_BF16 or WEIGHTS_BLOCKS (gemm.h); KV_F32, KV_BF16 or KV_F16 */
     float eps;
     const float* rope_cos;  /* [max_len, head_dim / 2] */
     const float* rope_sin;
@@ -156,12 +158,16 @@ static void rope(const Model* m, float* x, int64_t position) {
 }
 
 static inline void cache_put(const Model* m, void* cache, int64_t index, float value) {
-    if (m->kv_bf16) ((uint16_t*)cache)[index] = f32_to_bf16(value);
+    if (m->kv_type == KV_BF16) ((uint16_t*)cache)[index] = f32_to_bf16(value);
+    else if (m->kv_type == KV_F16) ((uint16_t*)cache)[index] = f32_to_f16(value);
     else ((float*)cache)[index] = value;
 }
 
-static inline vf cache_load(const Model* m, const void* cache, int64_t index) {
-    return m->kv_bf16 ? v_load_bf16((const uint16_t*)cache + index) : v_load((const float*)cache + index);
+/* LANES cache elements from index on, as fp32; kv_type a compile-time constant where inlined. */
+static inline __attribute__((always_inline)) vf cache_load(const void* cache, int64_t index, const int kv_type) {
+    if (kv_type == KV_BF16) return v_load_bf16((const uint16_t*)cache + index);
+    if (kv_type == KV_F16) return v_load_f16((const uint16_t*)cache + index);
+    return v_load((const float*)cache + index);
 }
 
 static inline const int32_t* slot_table(const Model* m, int slot) {
@@ -197,7 +203,7 @@ static void write_chunk_kv(const Forward* f, const Layer* layer, int chunk, int 
    registers: NQ * D / 16 <= 24 vectors. */
 static inline __attribute__((always_inline)) void attend_queries(
     const void* k_cache, const void* v_cache, const int32_t* table, const float* const* queries,
-    const int64_t* pos, float* scores, float* const* outs, const int d, const int nq, const int kv_bf16) {
+    const int64_t* pos, float* scores, float* const* outs, const int d, const int nq, const int kv_type) {
     const float scale = 1.0f / sqrtf((float)d);
     int64_t last = 0;
     for (int q = 0; q < nq; q++) last = pos[q] > last ? pos[q] : last;
@@ -210,8 +216,7 @@ static inline __attribute__((always_inline)) void attend_queries(
             for (int q = 0; q < nq; q++) s[q] = v_splat(0.0f);
             int64_t at = (int64_t)table[kb] * d * KEY_BLOCK + h * LANES;
             for (int i = 0; i < d; i++) {
-                vf k = kv_bf16 ? v_load_bf16((const uint16_t*)k_cache + at + i * KEY_BLOCK)
-                               : v_load((const float*)k_cache + at + i * KEY_BLOCK);
+                vf k = cache_load(k_cache, at + i * KEY_BLOCK, kv_type);
                 for (int q = 0; q < nq; q++) s[q] += v_splat(queries[q][i]) * k;
             }
             int first_key = kb * KEY_BLOCK + h * LANES;
@@ -244,8 +249,7 @@ static inline __attribute__((always_inline)) void attend_queries(
         for (int i = 0; i < count; i++) {
             int64_t at = block_at + (int64_t)i * d, j = first + i;
             for (int c = 0; c < d / LANES; c++) {
-                vf v = kv_bf16 ? v_load_bf16((const uint16_t*)v_cache + at + c * LANES)
-                                 : v_load((const float*)v_cache + at + c * LANES);
+                vf v = cache_load(v_cache, at + c * LANES, kv_type);
                 for (int q = 0; q < nq; q++) acc[q][c] += v_splat(scores[(int64_t)q * keys + j]) * v;
             }
         }
@@ -256,13 +260,13 @@ static inline __attribute__((always_inline)) void attend_queries(
 
 typedef void (*attend_fn)(const void*, const void*, const int32_t*, const float* const*, const int64_t*, float*,
                           float* const*);
-#define ATTEND(D, NQ, BF16)                                                                          \
-    static void attend_##D##_##NQ##_##BF16(const void* k, const void* v, const int32_t* t,           \
-                                           const float* const* q, const int64_t* pos, float* s,      \
-                                           float* const* o) {                                        \
-        attend_queries(k, v, t, q, pos, s, o, D, NQ, BF16);                                          \
+#define ATTEND(D, NQ, KV)                                                                            \
+    static void attend_##D##_##NQ##_##KV(const void* k, const void* v, const int32_t* t,             \
+                                         const float* const* q, const int64_t* pos, float* s,        \
+                                         float* const* o) {                                          \
+        attend_queries(k, v, t, q, pos, s, o, D, NQ, KV);                                            \
     }
-#define ATTEND_TYPES(D, NQ) ATTEND(D, NQ, 0) ATTEND(D, NQ, 1)
+#define ATTEND_TYPES(D, NQ) ATTEND(D, NQ, 0) ATTEND(D, NQ, 1) ATTEND(D, NQ, 2)
 ATTEND_TYPES(64, 1) ATTEND_TYPES(64, 2) ATTEND_TYPES(64, 3) ATTEND_TYPES(64, 4) ATTEND_TYPES(64, 5)
 ATTEND_TYPES(64, 6) ATTEND_TYPES(128, 1) ATTEND_TYPES(128, 2) ATTEND_TYPES(128, 3)
 #if defined(__AVX512F__)
@@ -272,11 +276,11 @@ ATTEND_TYPES(64, 6) ATTEND_TYPES(128, 1) ATTEND_TYPES(128, 2) ATTEND_TYPES(128, 
 #define QUERIES_64 1      /* AVX2 has half the registers, each vf taking two */
 #define QUERIES_128 1
 #endif
-static const attend_fn attend_64[2][7] = {  /* [kv_bf16][queries] */
-    {NULL, attend_64_1_0, attend_64_2_0, attend_64_3_0, attend_64_4_0, attend_64_5_0, attend_64_6_0},
-    {NULL, attend_64_1_1, attend_64_2_1, attend_64_3_1, attend_64_4_1, attend_64_5_1, attend_64_6_1}};
-static const attend_fn attend_128[2][4] = {
-    {NULL, attend_128_1_0, attend_128_2_0, attend_128_3_0}, {NULL, attend_128_1_1, attend_128_2_1, attend_128_3_1}};
+#define ATTEND_64(KV) {NULL, attend_64_1_##KV, attend_64_2_##KV, attend_64_3_##KV, attend_64_4_##KV, attend_64_5_##KV, \
+                       attend_64_6_##KV}
+#define ATTEND_128(KV) {NULL, attend_128_1_##KV, attend_128_2_##KV, attend_128_3_##KV}
+static const attend_fn attend_64[3][7] = {ATTEND_64(0), ATTEND_64(1), ATTEND_64(2)};  /* [kv_type][queries] */
+static const attend_fn attend_128[3][4] = {ATTEND_128(0), ATTEND_128(1), ATTEND_128(2)};
 
 /* The most queries one attend call takes for this head_dim. */
 static inline int queries_per_call(const Model* m) {
@@ -285,10 +289,11 @@ static inline int queries_per_call(const Model* m) {
 
 static void attend(const Model* m, const void* k, const void* v, const int32_t* table, const float* const* queries,
                    const int64_t* pos, int nq, float* scores, float* const* outs) {
-    if (m->head_dim == 64) attend_64[m->kv_bf16][nq](k, v, table, queries, pos, scores, outs);
-    else if (m->head_dim == 128) attend_128[m->kv_bf16][nq](k, v, table, queries, pos, scores, outs);
-    else if (m->kv_bf16) attend_queries(k, v, table, queries, pos, scores, outs, m->head_dim, 1, 1);
-    else attend_queries(k, v, table, queries, pos, scores, outs, m->head_dim, 1, 0);
+    if (m->head_dim == 64) attend_64[m->kv_type][nq](k, v, table, queries, pos, scores, outs);
+    else if (m->head_dim == 128) attend_128[m->kv_type][nq](k, v, table, queries, pos, scores, outs);
+    else if (m->kv_type == KV_BF16) attend_queries(k, v, table, queries, pos, scores, outs, m->head_dim, 1, KV_BF16);
+    else if (m->kv_type == KV_F16) attend_queries(k, v, table, queries, pos, scores, outs, m->head_dim, 1, KV_F16);
+    else attend_queries(k, v, table, queries, pos, scores, outs, m->head_dim, 1, KV_F32);
 }
 
 /* One chunk's tokens for KV head g: write their K and V, then attend with the group's query heads,
@@ -298,7 +303,7 @@ static void attention_item(const Forward* f, const Layer* layer, int chunk, int 
     const Model* m = f->m;
     const Batch* b = f->b;
     int d = m->head_dim, heads = m->num_heads, group = heads / m->num_kv_heads, width = heads * d;
-    int ldq = ldy_of(&layer->qkv), elem = m->kv_bf16 ? 2 : 4, per_call = queries_per_call(m);
+    int ldq = ldy_of(&layer->qkv), elem = m->kv_type == KV_F32 ? 4 : 2, per_call = queries_per_call(m);
     int64_t head_bytes = (int64_t)g * m->pool_positions * d * elem;
     const char* k_cache = (const char*)layer->k_cache + head_bytes;
     const char* v_cache = (const char*)layer->v_cache + head_bytes;

@@ -28,6 +28,7 @@ static inline vi v_iota(void) { return (vi)_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6
 static inline vf v_load_bf16(const uint16_t* p) {
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
 }
+static inline vf v_load_f16(const uint16_t* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 #else
 static inline vf v_load(const float* p) { return (vf)_mm256_loadu_ps(p); }
 static inline void v_store(float* p, vf v) { _mm256_storeu_ps(p, (__m256)v); }
@@ -37,6 +38,7 @@ static inline vi v_iota(void) { return (vi)_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6
 static inline vf v_load_bf16(const uint16_t* p) {
     return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
 }
+static inline vf v_load_f16(const uint16_t* p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 #endif
 
 /* bf16 <-> fp32. Rounding is to nearest even, as torch's .to(torch.bfloat16). */
@@ -47,6 +49,9 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+
+/* fp32 -> fp16 (F16C), rounding to nearest even as torch's .to(torch.float16); beyond fp16's range, inf. */
+static inline uint16_t f32_to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 
 /* Lanes of a where mask is set, else of b; mask from a vector comparison. */
 static inline vf v_select(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }

@@ -1,0 +1,37 @@
+"""--kv-cache-dtype: what each choice keeps the KV cache in, and the errors a user gets."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_service.config import DraftConfig
+from target_service.config import TargetConfig
+from tandem.runtime import load_model
+from tests.support.devices import needs_native
+
+
+def _cache_dtype(**kwargs) -> torch.dtype:
+    loaded = load_model("smollm2-135m", num_slots=1, max_model_len=64, **kwargs)
+    return loaded.model.kv_cache.k[0].dtype
+
+
+@needs_native
+def test_auto_keeps_a_gguf_in_blocks_in_fp16_and_a_float_model_in_its_dtype():
+    assert _cache_dtype() == torch.float16
+    assert _cache_dtype(dtype="float32") == torch.float32
+    assert _cache_dtype(quantization="none") == torch.bfloat16
+    assert _cache_dtype(quantization="none", dtype="float32") == torch.float32
+
+
+@needs_native
+@pytest.mark.parametrize("name, dtype", [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
+def test_a_named_dtype_is_kept(name, dtype):
+    assert _cache_dtype(kv_cache_dtype=name) == dtype
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_by_both_services():
+    message = "--kv-cache-dtype must be one of auto, bfloat16, float16, float32, got 'fp8'"
+    with pytest.raises(ValueError, match=message):
+        TargetConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=message):
+        DraftConfig(kv_cache_dtype="fp8")
