@@ -89,6 +89,7 @@ class SlotOp:
     key: SeqKey
     opening: bool
     sequence: DraftSequence | None = None  # an opening's sequence, whose constraint is compiled then
+    committed: list[int] | None = None  # a closing's final tokens, settled before it closes
 
 
 @dataclass(slots=True)
@@ -309,7 +310,7 @@ class DraftScheduler:
         sequence.closed = True
         self._dirty.pop(sequence.key, None)
         self._predrafter.close(sequence.key)
-        self._slot_ops.append(SlotOp(sequence.key, opening=False))
+        self._slot_ops.append(SlotOp(sequence.key, opening=False, committed=list(sequence.tokens)))
         self._num_sequences -= 1
         self._metrics.sequences.dec()
 
@@ -379,9 +380,13 @@ class DraftScheduler:
     def _round(self, slot_ops: list[SlotOp], work: Round) -> list[Drafted]:
         """On the drafter's thread: opens and closes in arrival order, then what the target committed, then a draft."""
         for op in slot_ops:
-            (self._drafter.open if op.opening else self._drafter.close)(op.key)
-            if op.opening and self._grammars is not None:
-                self._grammars.open(op.sequence)
+            if op.opening:
+                self._drafter.open(op.key)
+                if self._grammars is not None:
+                    self._grammars.open(op.sequence)
+            else:  # the tokens of its last Extend, which no round drafted from
+                self._drafter.settle(op.key, op.committed)
+                self._drafter.close(op.key)
         for sequence, committed in work.settled:
             self._drafter.settle(sequence.key, committed)
             DraftGrammars.settle(sequence, committed)

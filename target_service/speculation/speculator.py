@@ -175,10 +175,14 @@ class Speculator:
             await self._wait_for_drafts(plan, plan.caps, admission=lambda: False)
 
     def release(self, seq: Sequence) -> None:
-        """Forget the sequence, and close it on the drafter if this stream opened it."""
+        """Forget the sequence, and close it on the drafter if this stream opened it, in the update
+        that tells it the tokens it was not told (the last step's, a paused sequence's tail): a
+        suffix drafter indexes the whole output, a model drafter keeps the slot with the most of it."""
         state = self._states.pop(seq.seq_id, None)
-        if state is not None and state.told_len:
-            self._send(closes=[drafter_pb2.SequenceClose(seq_id=seq.seq_id)])
+        if state is None or not state.told_len:
+            return
+        tail = [self._told(state, 0, time.perf_counter())] if len(seq.token_ids) > state.told_len else []
+        self._send(extends=tail, closes=[drafter_pb2.SequenceClose(seq_id=seq.seq_id)], answer_owed=False)
 
     # ---- the link's verbs (DrafterPeer) ------------------------------------------------------
 
@@ -289,18 +293,23 @@ class Speculator:
                 state.answered_len = len(seq.token_ids)
                 if state.told_k == 0 and len(seq.token_ids) - state.told_len < PAUSED_EXTEND_TOKENS:
                     continue
-            message = extend_message(seq, state.told_len)
-            first, rows = state.take_features(len(seq.token_ids) - 1)
-            if rows is not None:
-                message.hidden_start = first
-                message.hidden_states = self.link.feature_layout.encode(rows)
-                self.metrics.hidden_state_bytes.inc(len(message.hidden_states))
-            if k != state.told_k:
-                message.k = state.told_k = k
-            extends.append(message)
-            state.tell(now)
+            extends.append(self._told(state, k, now))
             owed |= k > 0 and not state.covers_committed()
         self._send(extends=extends, answer_owed=owed)
+
+    def _told(self, state: DrafterState, k: int, now: float) -> drafter_pb2.SequenceExtend:
+        """The Extend of the sequence's untold tokens (with their features, where kept), leaving k."""
+        seq = state.seq
+        message = extend_message(seq, state.told_len)
+        first, rows = state.take_features(len(seq.token_ids) - 1)
+        if rows is not None:
+            message.hidden_start = first
+            message.hidden_states = self.link.feature_layout.encode(rows)
+            self.metrics.hidden_state_bytes.inc(len(message.hidden_states))
+        if k != state.told_k:
+            message.k = state.told_k = k
+        state.tell(now)
+        return message
 
     def _drafts_wanted(self) -> dict[int, int]:
         """The drafts the policy wants of each running sequence (by seq_id) for its next steps."""

@@ -11,6 +11,7 @@ from draft_service.drafter import DraftJob, DraftSequence
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter
+from draft_service.drafters.suffix import SuffixDrafter
 from draft_service.scheduler import Limits
 from tandem_kernels.sampling import Sampling
 from bench.greedy import greedy_generate
@@ -95,6 +96,23 @@ async def test_one_target_may_hold_no_more_than_its_quota():
         scheduler.apply(greedy, _update(closes=[1]))
         scheduler.apply(greedy, _update(opens=[(4, PROMPT)]))  # room again under its quota
         assert sorted(greedy.sequences) == [2, 4]
+
+
+async def test_a_closing_updates_tokens_reach_the_drafter_before_it_forgets_the_sequence():
+    """The target tells a finished sequence's last tokens in the update that closes it: the suffix
+    drafter's shared index gets the whole output, which a later request is drafted from."""
+    drafter = SuffixDrafter()
+    async with running_scheduler(drafter, DraftMetrics("test"), LIMITS) as scheduler:
+        stream = scheduler.open_stream()
+        scheduler.apply(stream, _update(opens=[(1, [1, 2, 3])]))
+        await asyncio.wait_for(stream.outbox.get(), 10)
+        scheduler.apply(stream, _update(extends=[(1, 3, [10, 11, 12])]))
+        await asyncio.wait_for(stream.outbox.get(), 10)
+        scheduler.apply(stream, _update(extends=[(1, 6, [13, 14, 15, 16, 17])], closes=[1]))
+        scheduler.apply(stream, _update(opens=[(2, [5, 13, 14])]))
+        [proposal] = (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
+    assert list(drafter.shared.docs.values()) == [[10, 11, 12, 13, 14, 15, 16, 17]]
+    assert (proposal.seq_id, list(proposal.token_ids)) == (2, [15, 16, 17])
 
 
 async def test_a_refused_open_and_its_extends_are_answered_at_once(scheduler):

@@ -451,12 +451,15 @@ async def test_a_stop_inside_an_accepted_run_counts_only_the_committed_drafts(ma
 # ---- what the drafter is told ----------------------------------------------------------------------
 
 MESSAGE_CASES = {
-    # name: sequence options -> what the drafter is told about it, start to end
-    "ends on its prefill token": (dict(max_tokens=1), [("open", list(PROMPT), MAX_K), ("close",)]),
+    # name: sequence options -> what the drafter is told about it, start to end; the last tokens
+    # come with the Close, so that the drafter has the whole sequence before it forgets it
+    "ends on its prefill token": (dict(max_tokens=1), [("open", list(PROMPT), MAX_K), ("extend", 3, [T[0]]),
+                                                       ("close",)]),
     "ends after one decode": (dict(max_tokens=2), [("open", list(PROMPT), MAX_K), ("extend", 3, [T[0]]),
-                                                   ("close",)]),
+                                                   ("extend", 4, [T[1]]), ("close",)]),
     "k above the drafter's max_k": (dict(max_tokens=2, num_speculative_tokens=8),
-                                    [("open", list(PROMPT), MAX_K), ("extend", 3, [T[0]]), ("close",)]),
+                                    [("open", list(PROMPT), MAX_K), ("extend", 3, [T[0]]),
+                                     ("extend", 4, [T[1]]), ("close",)]),
     "not speculating": (dict(max_tokens=2, speculate=False), []),
 }
 

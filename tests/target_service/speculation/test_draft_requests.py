@@ -1,9 +1,11 @@
 """The target asks the drafter only for drafts it may verify: a drafter whose drafts never pay is
 paused (Extends with k=0), but for the steps before each exploring step, and output is unchanged.
-While paused, it is told the committed tokens PAUSED_EXTEND_TOKENS at a time, not at every step.
+While paused, it is told the committed tokens PAUSED_EXTEND_TOKENS at a time, not at every step,
+and the Close comes with the tail: the drafter has every token before it forgets the sequence.
 
 The scripted drafter answers what it is asked for with drafts that are always wrong (valid token
-ids, never the target's), and records each Extend: the k it leaves, where it starts, its tokens.
+ids, never the target's), and records each Extend (the k it leaves, where it starts, its tokens)
+and each Close (how many tokens it had been told).
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class WrongDrafter(drafter_pb2_grpc.DrafterServicer):
         self.wrong_token = wrong_token
         self.lock = threading.Lock()
         self.asked: list[tuple[int, int, int]] = []  # each Extend's (k it left, start, tokens), in arrival order
+        self.closed_at: list[int] = []  # each Close's sequence length, as told
+        self.closed = threading.Event()
         self.above_open_k = 0
 
     def Info(self, request, context):
@@ -54,6 +58,10 @@ class WrongDrafter(drafter_pb2_grpc.DrafterServicer):
                     self.above_open_k += k_of[extend.seq_id] > open_k[extend.seq_id]
                 if k_of[extend.seq_id]:
                     proposals.append(self._proposal(extend.seq_id, length[extend.seq_id], k_of[extend.seq_id]))
+            for close in update.closes:
+                with self.lock:
+                    self.closed_at.append(length[close.seq_id])
+                self.closed.set()
             if proposals:
                 yield drafter_pb2.DraftProposals(proposals=proposals)
 
@@ -82,14 +90,17 @@ def test_a_drafter_whose_drafts_never_pay_is_paused_but_still_explored(wrong_pai
     alone = run_requests(target.address, [greedy_request(prompt, MAX_TOKENS, speculate=False, ignore_eos=True)])
     with drafter.lock:
         drafter.asked.clear()
+        drafter.closed_at.clear()
+        drafter.closed.clear()
     spec = run_requests(target.address, [greedy_request(prompt, MAX_TOKENS, ignore_eos=True)])
     assert spec[0].token_ids == alone[0].token_ids
     assert drafter.wrong_token not in spec[0].token_ids
 
+    assert drafter.closed.wait(10), "the finished sequence was never closed"
     asked = list(drafter.asked)
     ends = [start + count for _, start, count in asked]
     assert [start for _, start, _ in asked[1:]] == ends[:-1], "every committed token is told once, in order"
-    assert ends[-1] > asked[0][1] + MAX_TOKENS - 1 - PAUSED_EXTEND_TOKENS  # the prompt, all but a paused tail
+    assert drafter.closed_at == [ends[-1]] == [asked[0][1] + MAX_TOKENS]  # the prompt and every token, then Close
     assert drafter.above_open_k == 0
     # Drafts are rejected: alpha falls, and they stop paying. Before that the speed guard may ask for
     # none for a few steps (its off window): the pause is what follows the last ask for more than one.
@@ -99,8 +110,9 @@ def test_a_drafter_whose_drafts_never_pay_is_paused_but_still_explored(wrong_pai
     assert steps_after >= 48, f"paused only after {paused_from} Extends"
     exploring = sum(k > 0 for k, _, _ in after)
     assert 0 < exploring <= 0.1 * steps_after, f"asked for drafts {exploring} times in {steps_after} steps: {after}"
-    # A paused sequence's tokens wait for a batch, or for the update that asks for drafts again.
-    assert all(count >= PAUSED_EXTEND_TOKENS for (k, _, count), (before, _, _) in zip(after[1:], after)
+    # A paused sequence's tokens wait for a batch, or for the update that asks for drafts again (or,
+    # the last, for the Close).
+    assert all(count >= PAUSED_EXTEND_TOKENS for (k, _, count), (before, _, _) in zip(after[1:-1], after)
                if k == 0 == before), after
     assert len(after) < steps_after / 4, f"{len(after)} Extends in {steps_after} paused steps"
     samples = scrape(target.metrics_url)
