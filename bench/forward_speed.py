@@ -96,6 +96,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3, help="forwards per timing")
     args = parser.parse_args()
+    kv_cache_dtypes = args.kv_cache_dtypes.split(",")
+    if unknown := set(kv_cache_dtypes) - set(KV_CACHE_DTYPES):
+        parser.error(f"--kv-cache-dtypes: {', '.join(sorted(unknown))} not among {', '.join(KV_CACHE_DTYPES)}")
+    if args.torch and kv_cache_dtypes != ["auto"]:
+        parser.error("--torch runs the PyTorch decoder, whose KV cache is in the compute dtype: leave --kv-cache-dtypes")
     thread_counts = [int(n) for n in args.threads.split(",")]
     config, weights = load_weights(args.model, args.random)
     # (compute dtype, quantization or block type) -> weights
@@ -105,7 +110,7 @@ def main() -> None:
     for name in filter(None, args.block_types.split(",")):
         weight_sets[torch.bfloat16, name] = random_block_weights(config, GGMLQuantizationType[name])
     # (compute dtype, quantization or block type, KV cache dtype)
-    precisions = [(*w, kv) for w in weight_sets for kv in args.kv_cache_dtypes.split(",")]
+    precisions = [(*w, kv) for w in weight_sets for kv in kv_cache_dtypes]
     isas = args.isas.split(",") if args.isas else [""]
     variants = (([("torch", thread_counts[0], "")] if args.torch else [])
                 + [("native", n, isa) for isa in isas for n in thread_counts])

@@ -32,7 +32,7 @@ class DraftConfig:
     device: str = "cpu"
     dtype: str = "auto"  # bf16 for a drafter file, on CUDA and on CPUs with the native decoder, else fp32
     quantization: str = "auto"  # model drafters: one of tandem.quantization.QUANTIZATIONS
-    kv_cache_dtype: str = "auto"  # model drafters: a key of tandem.model.kv_cache.KV_CACHE_DTYPES
+    kv_cache_dtype: str = "auto"  # model and suffix+model drafters: a key of tandem.model.kv_cache.KV_CACHE_DTYPES
     threads: int = 1  # torch threads; one core per service by default (docs/design/runtime.md, CPU threads)
     num_slots: int = 8
     prefix_caching: bool = True  # a closed sequence's slots keep their KV for a prompt with the same first tokens
@@ -99,7 +99,7 @@ HELP = {
     "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 for a distilled drafter file, on CUDA and on "
              "x86 CPUs the native decoder runs on, else float32)",
     "quantization": f"model drafters: {QUANTIZATION_HELP}",
-    "kv_cache_dtype": f"model drafters: {KV_CACHE_DTYPE_HELP}",
+    "kv_cache_dtype": f"model and suffix+model drafters: {KV_CACHE_DTYPE_HELP}",
     "threads": "torch CPU threads; give each service its own cores",
     "num_slots": "KV slots: sequences drafted at once; further Opens are refused",
     "prefix_caching": "model drafters: a closed sequence's KV slots keep their KV, and a new sequence whose tokens "

@@ -89,7 +89,7 @@ class SlotOp:
     key: SeqKey
     opening: bool
     sequence: DraftSequence | None = None  # an opening's sequence, whose constraint is compiled then
-    committed: list[int] | None = None  # a closing's final tokens, settled before it closes
+    committed: list[int] = field(default_factory=list)  # settled with it: an opening's prompt, a closing's last tokens
 
 
 @dataclass(slots=True)
@@ -205,7 +205,8 @@ class DraftScheduler:
         self._predrafter.open(sequence)
         self._num_sequences += 1
         self._metrics.sequences.inc()
-        self._slot_ops.append(SlotOp(sequence.key, opening=True, sequence=sequence))
+        self._slot_ops.append(SlotOp(sequence.key, opening=True, sequence=sequence,
+                                     committed=sequence.tokens[:sequence.prompt_len]))
         self._dirty[sequence.key] = sequence
 
     def _check_open(self, stream: Stream, msg: drafter_pb2.SequenceOpen, sampling: Sampling) -> None:
@@ -380,12 +381,15 @@ class DraftScheduler:
     def _round(self, slot_ops: list[SlotOp], work: Round) -> list[Drafted]:
         """On the drafter's thread: opens and closes in arrival order, then what the target committed, then a draft."""
         for op in slot_ops:
-            if op.opening:
+            if op.opening:  # the prompt first, so that a drafter told more before this round knows which is which
                 self._drafter.open(op.key)
+                self._drafter.settle(op.key, op.committed)
                 if self._grammars is not None:
                     self._grammars.open(op.sequence)
-            else:  # the tokens of its last Extend, which no round drafted from
+                continue
+            try:  # the tokens of its last Extend, which no round drafted from
                 self._drafter.settle(op.key, op.committed)
+            finally:
                 self._drafter.close(op.key)
         for sequence, committed in work.settled:
             self._drafter.settle(sequence.key, committed)

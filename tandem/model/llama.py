@@ -182,9 +182,9 @@ def build_model(
     kv_cache_tokens: the KV pool's size in tokens (whole blocks of block_size); None: num_slots x
     max_model_len.
 
-    kv_cache_dtype: None: `dtype`, but fp16 for bf16 with GGUF blocks on the native decoder (the
-    cache is then the only bf16 left), as llama.cpp keeps it. A bf16 cache there parted from
-    transformers' greedy text on 3 of the 12 held-out prompts where fp16 and fp32 parted on none
+    kv_cache_dtype: None: `dtype`, but fp16 for bf16 with GGUF blocks on the native decoder, as
+    llama.cpp keeps it. A bf16 cache there parted from transformers' greedy text on 3 of the 12
+    held-out prompts (AVX-512 build; 1 with AVX2) where fp16 and fp32 parted on none
     (docs/benchmarks.md); fp16 costs bf16's bytes.
     """
     device = torch.device(device)

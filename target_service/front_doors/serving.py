@@ -104,3 +104,9 @@ class Serving:
     @property
     def dtype(self) -> str:
         return str(self.loaded.model.dtype).removeprefix("torch.")
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """As vLLM names it: auto for a cache in the model's dtype, else the cache's."""
+        cache = str(self.loaded.model.kv_cache.k[0].dtype).removeprefix("torch.")
+        return "auto" if cache == self.dtype else cache

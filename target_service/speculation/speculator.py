@@ -179,8 +179,9 @@ class Speculator:
         that tells it the tokens it was not told (the last step's, a paused sequence's tail): a
         suffix drafter indexes the whole output, a model drafter keeps the slot with the most of it."""
         state = self._states.pop(seq.seq_id, None)
-        if state is None or not state.told_len:
+        if state is None or not state.told_len or not self.connected:
             return
+        state.features.clear()  # nothing is drafted from them any more
         tail = [self._told(state, 0, time.perf_counter())] if len(seq.token_ids) > state.told_len else []
         self._send(extends=tail, closes=[drafter_pb2.SequenceClose(seq_id=seq.seq_id)], answer_owed=False)
 

@@ -115,6 +115,23 @@ async def test_a_closing_updates_tokens_reach_the_drafter_before_it_forgets_the_
     assert (proposal.seq_id, list(proposal.token_ids)) == (2, [15, 16, 17])
 
 
+async def test_the_output_is_what_follows_the_opens_prompt_however_late_the_round():
+    """A drafter busy elsewhere may first see a sequence with tokens after its prompt, or closed
+    already: its output is still every token after the Open's prompt (prompt_len, which a
+    reopened sequence's Open sets below its tokens)."""
+    drafter = SuffixDrafter()
+    async with running_scheduler(drafter, DraftMetrics("test"), LIMITS) as scheduler:
+        stream = scheduler.open_stream()
+        reopened = pb.SequenceOpen(seq_id=3, prompt_ids=[1, 2, 3, 20, 21], prompt_len=3, k=4)
+        scheduler.apply(stream, pb.TargetUpdate(opens=[reopened]))
+        scheduler.apply(stream, _update(opens=[(1, [1, 2, 3])], extends=[(1, 3, [10, 11])]))
+        scheduler.apply(stream, _update(extends=[(1, 5, [12, 13]), (3, 5, [22])], closes=[1, 3]))
+        scheduler.apply(stream, _update(opens=[(2, [5, 10, 11])]))
+        [proposal] = (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
+    assert sorted(drafter.shared.docs.values()) == [[10, 11, 12, 13], [20, 21, 22]]
+    assert (proposal.seq_id, list(proposal.token_ids)) == (2, [12, 13])
+
+
 async def test_a_refused_open_and_its_extends_are_answered_at_once(scheduler):
     stream = scheduler.open_stream()
     scheduler.apply(stream, _update(opens=[(1, PROMPT), (2, PROMPT), (3, PROMPT)]))  # two slots

@@ -24,9 +24,11 @@ def test_auto_keeps_a_gguf_in_blocks_in_fp16_and_a_float_model_in_its_dtype():
 
 
 @needs_native
-@pytest.mark.parametrize("name, dtype", [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
-def test_a_named_dtype_is_kept(name, dtype):
-    assert _cache_dtype(kv_cache_dtype=name) == dtype
+@pytest.mark.parametrize("quantization, name, dtype", [("auto", "bfloat16", torch.bfloat16),
+                                                       ("auto", "float32", torch.float32),
+                                                       ("none", "float16", torch.float16)])
+def test_a_named_dtype_is_kept(quantization, name, dtype):
+    assert _cache_dtype(quantization=quantization, kv_cache_dtype=name) == dtype
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_by_both_services():

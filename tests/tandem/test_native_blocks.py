@@ -191,23 +191,34 @@ def test_block_models_match_the_pytorch_decoder_on_the_same_weights(isa, name, q
         torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
 
 
-def test_a_block_model_keeps_its_kv_cache_in_fp16(isa):
-    """By default (llama.cpp's choice): the cache holds the fp32 K and V rounded to fp16, and the
-    logits stay nearer the fp32 cache's than a bf16 cache's do (fp16 keeps 3 more bits)."""
-    config = CONFIGS["d64-gqa3"]
-    weights = quantize(random_weights(config, seed=11), "q4_0", config, torch.bfloat16, torch.device("cpu"))
-    models = {kv: build_model(config, weights, dtype=torch.bfloat16, device=torch.device("cpu"), num_slots=1,
-                              max_model_len=100, kv_cache_dtype=kv)
-              for kv in (None, torch.float32, torch.bfloat16)}
-    assert models[None].kv_cache.k[0].dtype == torch.float16
+D32 = ModelConfig("llama", 300, 128, 256, 2, 4, 2, 32, 1e-5, 10000.0, 512, True, False)  # the generic attention path
+
+
+@pytest.mark.parametrize("config, quantization, dtype, closer", [(CONFIGS["d64-gqa3"], "q4_0", torch.bfloat16, 4),
+                                                                 (D32, "none", torch.float32, 4),
+                                                                 (D32, "none", torch.bfloat16, 1)],
+                         ids=["blocks-d64", "fp32-d32", "bf16-d32"])
+def test_an_fp16_kv_cache_holds_the_fp32_values_rounded(isa, config, quantization, dtype, closer):
+    """The default for blocks (llama.cpp's choice), and --kv-cache-dtype float16 for float weights:
+    the cache holds the fp32 K and V rounded to fp16, and the logits stay nearer the fp32 cache's
+    than a bf16 cache's do: `closer` times (7-9 measured) where the matrix inputs are exact or
+    int16, while bf16 weights, whose matrix inputs are rounded to bf16 too, leave fp16 only ahead
+    (1.3 measured)."""
+    weights = quantize(random_weights(config, seed=11), quantization, config, dtype, torch.device("cpu"))
+    models = {kv: build_model(config, weights, dtype=dtype, device=torch.device("cpu"), num_slots=1,
+                              max_model_len=100, backend="native", kv_cache_dtype=kv)
+              for kv in (torch.float16, torch.float32, torch.bfloat16)}
+    if weights.in_blocks:
+        assert build_model(config, weights, dtype=dtype, device=torch.device("cpu"), num_slots=1,
+                           max_model_len=32).kv_cache.k[0].dtype == torch.float16
     prompt = _ids(config, 41, 5)
     logits = {kv: model.run([SequenceChunk(0, 0, prompt, num_logits=len(prompt))]) for kv, model in models.items()}
-    exact = models[torch.float32].kv_cache
-    for got, want in ((models[None].kv_cache.k[0], exact.k[0]), (models[None].kv_cache.v[0], exact.v[0])):
+    rounded, exact = models[torch.float16].kv_cache, models[torch.float32].kv_cache
+    for got, want in ((rounded.k[0], exact.k[0]), (rounded.v[0], exact.v[0])):
         assert torch.equal(got, want.to(torch.float16))  # the first layer's K and V, from the same inputs
-    fp16_error = (logits[None] - logits[torch.float32]).abs().max()
+    fp16_error = (logits[torch.float16] - logits[torch.float32]).abs().max()
     bf16_error = (logits[torch.bfloat16] - logits[torch.float32]).abs().max()
-    assert 0 < fp16_error < bf16_error / 4
+    assert 0 < fp16_error < bf16_error / closer
 
 
 def test_a_kv_cache_in_another_dtype_than_the_compute_needs_the_native_decoder():

@@ -124,7 +124,7 @@ class VllmEngineDoor(vllm_engine_pb2_grpc.VllmEngineServicer):
             uptime_seconds=time.time() - self.started, server_type="vllm-grpc", data_parallel_size=1,
             max_num_seqs=self.serving.config.max_num_seqs,
             model_dtype=self.serving.dtype,
-            kv_cache_dtype=self.serving.config.kv_cache_dtype,
+            kv_cache_dtype=self.serving.kv_cache_dtype,
             block_size=scheduler.kv_cache.block_size)
 
     async def GetLoads(self, request, context) -> vllm_engine_pb2.GetLoadsResponse:

@@ -232,7 +232,8 @@ def test_health_model_server_info_and_loads(front_doors, stub):
     assert info.vocab_size == 49152 and 2 in info.eos_token_ids and info.architectures == ["LlamaForCausalLM"]
     server = stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=10)
     assert server.max_num_seqs == 8 and server.data_parallel_size == 1 and not server.is_paused
-    assert (server.block_size, server.kv_cache_dtype) == (16, "auto")
+    # the embedded GGUF in its blocks computes in bf16 and keeps its KV in fp16: not vLLM's "auto"
+    assert (server.block_size, server.model_dtype, server.kv_cache_dtype) == (16, "bfloat16", "float16")
     loads = stub.GetLoads(vllm_engine_pb2.GetLoadsRequest(include=["core"]), timeout=10)
     [load] = loads.loads
     assert loads.dp_rank_count == 1 and load.max_running_requests == 8 and 0 <= load.token_usage < 1
