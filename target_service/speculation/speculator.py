@@ -280,7 +280,7 @@ class Speculator:
         """The tokens these sequences committed, in one update, and how many drafts the policy now
         wants of them (SpeculationPolicy.drafts_to_request) where that changed. A sequence that stays
         paused is told its tokens PAUSED_EXTEND_TOKENS at a time, or with the update that asks it
-        for drafts again: an update per step costs the target's step (measured, docs/benchmarks.md)."""
+        for drafts again: an update per step costs the target's step (measured, docs/benchmarks-speculation.md)."""
         now = time.perf_counter()
         extends = []
         owed = False  # an answer: a fresh proposal, unless a held pre-draft covers the new prefix

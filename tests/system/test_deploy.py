@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draft_service.config import DraftConfig
+from draft_service.config import DraftConfig, parse_config
 from tests.support.service_fixtures import PROMPTS, greedy_request, run_requests
 from tandem.launch import ServiceProcess, free_port
 from tandem.registry import DEFAULT_DRAFT_MODEL
@@ -112,6 +112,15 @@ def test_cpu_stack_needs_no_gpu():
         assert not any(arg.startswith("--device") for arg in services[service]["command"])
     assert "--model=smollm2-135m" in services["target"]["command"]
     assert "--model=smollm2-135m-draft" in services["draft"]["command"]
+    assert f"--max-fanout={DraftConfig().max_fanout}" in services["draft"]["command"]  # pre-drafting as shipped
+
+
+def test_the_cpu_stacks_model_drafter_can_turn_pre_drafting_off():
+    """On one machine a model drafter's pre-drafts cost the target more than they gain."""
+    command = _compose_config("docker-compose.cpu.yml", {"DRAFTER_KIND": "suffix+model", "MAX_FANOUT": "0"})[
+        "services"]["draft"]["command"]
+    assert {"--drafter=suffix+model", "--max-fanout=0"} <= set(command)
+    assert parse_config([arg for arg in command if arg.startswith("--max-fanout")]).max_fanout == 0
 
 
 # ---- dashboard ----
