@@ -473,6 +473,21 @@ async def test_the_drafter_is_told_open_extends_and_close(make, options, told):
     assert h.link.told(seq) == told
 
 
+async def test_a_sequence_that_ends_while_the_drafter_is_away_is_told_nothing_more(make):
+    """No tail and no Close on a link that is down: a drafter that comes back has a new stream,
+    which never opened the sequence."""
+    h = make()
+    seq = h.submit(max_tokens=3)
+    await h.engine.step()
+    told = h.link.told(seq)
+    assert told[0] == ("open", list(PROMPT), MAX_K)
+    h.link.connected = False
+    while seq.finish is None:
+        await h.engine.step()
+    assert seq.slot is None, "released with its last step"
+    assert h.link.told(seq) == told
+
+
 async def test_the_open_goes_out_before_the_prefill(make):
     """So that the drafter's prefill runs beside the target's."""
     h = make()
