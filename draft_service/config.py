@@ -9,12 +9,12 @@ import torch
 
 from tandem_kernels.compression import DEFAULT_TOP_K, MAX_VOCAB
 from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
-from tandem.model.kv_cache import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
+from tandem.model.kv_cache import KV_CACHE_DTYPE_HELP
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
 from tandem.protos import MAX_PREDRAFT_DEPTH
 from tandem.registry import DEFAULT_DRAFT_MODEL
 from tandem.quantization import QUANTIZATION_HELP, QUANTIZATIONS
-from tandem.runtime import resolve_dtype
+from tandem.runtime import check_kv_cache_dtype, resolve_dtype
 from tandem.tls import ServerTls
 
 DRAFTER_KINDS = ("model", "ngram", "suffix", "suffix+model", "eagle3")
@@ -63,8 +63,7 @@ class DraftConfig:
     def __post_init__(self) -> None:
         self.log_level = self.log_level.lower()
         _check_ranges(self)
-        for name, allowed in (("drafter", DRAFTER_KINDS), ("log_level", LOG_LEVELS), ("quantization", QUANTIZATIONS),
-                              ("kv_cache_dtype", KV_CACHE_DTYPES)):
+        for name, allowed in (("drafter", DRAFTER_KINDS), ("log_level", LOG_LEVELS), ("quantization", QUANTIZATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         self.server_tls()
@@ -76,6 +75,7 @@ class DraftConfig:
             resolve_dtype(self.dtype, torch.device(self.device))
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"--device/--dtype: {e}") from None
+        check_kv_cache_dtype(self.kv_cache_dtype, self.dtype, self.device)
 
     def server_tls(self) -> ServerTls | None:
         return ServerTls.from_flags(self.tls_cert, self.tls_key, self.tls_client_ca)

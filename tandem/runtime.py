@@ -50,6 +50,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
+def check_kv_cache_dtype(name: str, dtype: str, device: str) -> None:
+    """--kv-cache-dtype at startup, before a model loads: a known name, and on CUDA (the PyTorch
+    decoder, whose cache is in the compute dtype) auto or the compute dtype itself."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    target = torch.device(device)
+    if name != "auto" and target.type == "cuda" and KV_CACHE_DTYPES[name] != resolve_dtype(dtype, target):
+        raise ValueError(f"--kv-cache-dtype {name} on {device} needs --dtype {name}: only the native "
+                         f"CPU decoder keeps its KV cache in another type than it computes in")
+
+
 def load_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer.from_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
 

@@ -7,8 +7,9 @@ from pathlib import Path
 from target_service.front_doors.tool_parsers import TOOL_PARSERS
 from target_service.speculation.addresses import DrafterAddresses
 from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
-from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, KV_CACHE_DTYPES, PAGE_SIZE
+from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, PAGE_SIZE
 from tandem.quantization import QUANTIZATIONS
+from tandem.runtime import check_kv_cache_dtype
 from tandem.tls import ClientTls, ServerTls, read_token
 
 
@@ -108,10 +109,9 @@ class TargetConfig:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
         if self.auth_token and self.auth_token_file:
             raise ValueError("give --auth-token or --auth-token-file, not both")
-        for name, allowed in (("quantization", QUANTIZATIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
-                                 f"got {getattr(self, name)!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype, self.dtype, self.device)
 
     def server_tls(self) -> ServerTls | None:
         return ServerTls.from_flags(self.tls_cert, self.tls_key, self.tls_client_ca)

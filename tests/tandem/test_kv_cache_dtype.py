@@ -37,3 +37,14 @@ def test_an_unknown_kv_cache_dtype_is_refused_by_both_services():
         TargetConfig(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=message):
         DraftConfig(kv_cache_dtype="fp8")
+
+
+def test_on_cuda_a_kv_cache_dtype_other_than_the_compute_dtype_is_refused_before_loading():
+    """Only the native CPU decoder keeps its cache in another type; the check needs no GPU."""
+    message = "--kv-cache-dtype float16 on cuda needs --dtype float16"
+    with pytest.raises(ValueError, match=message):
+        TargetConfig(device="cuda", kv_cache_dtype="float16")
+    with pytest.raises(ValueError, match=message):
+        DraftConfig(device="cuda", kv_cache_dtype="float16")
+    assert TargetConfig(device="cuda", dtype="float16", kv_cache_dtype="float16").kv_cache_dtype == "float16"
+    assert TargetConfig(device="cuda", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"  # auto: bf16
