@@ -64,7 +64,7 @@ static inline __attribute__((always_inline)) void group_dot(const uint8_t* group
                 pair_products(v, 2, 8 + 2 * c, x + b, ldx, rows, sums);
             }
         }
-        __builtin_prefetch(block + 4 * size);
+        prefetch_ahead(block, size, rows);
         for (int r = 0; r < rows; r++) {
             const XBlock* xb = x + r * ldx + b;
             acc[r] = OP(fmadd_ps)(OP(cvtepi32_ps)(sums[r]), OP(mul_ps)(dw, OP(set1_ps)(xb->d)), acc[r]);
@@ -97,6 +97,8 @@ static inline __attribute__((always_inline)) void group_dot_k(const uint8_t* gro
         for (int w = 0; w < 8; w++) {
             const uint8_t* window = super + header_bytes(type) + w * window_bytes(type);
             const XBlock* xw = x + s * 8 + w;
+            if (rows >= WHOLE_PREFETCH_ROWS)  /* the next superblock (8 blocks ahead), an eighth per window */
+                prefetch_span(super + super_bytes(type) + w * super_bytes(type) / 8, super_bytes(type) / 8);
             VI sums[2][BLOCK_TILE_ROWS];  /* Q6_K: weights 0-15 and 16-31 of the window apart */
             for (int r = 0; r < rows; r++) sums[0][r] = sums[1][r] = SI(setzero)();
             VI plane = CHUNK(window + 16 * G), upper = plane;
