@@ -50,6 +50,11 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name --dtype and --kv-cache-dtype take, and metrics and vLLM's GetServerInfo report."""
+    return str(dtype).removeprefix("torch.")
+
+
 def check_kv_cache_dtype(name: str, dtype: str, device: str) -> None:
     """--kv-cache-dtype at startup, before a model loads: a known name, and on CUDA (the PyTorch
     decoder, whose cache is in the compute dtype) auto or the compute dtype itself."""

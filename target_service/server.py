@@ -18,7 +18,7 @@ from target_service.speculation.link import DrafterLink
 from target_service.speculation.policy import speculation_policy
 from target_service.speculation.speculator import Speculator
 from tandem.grpc_server import serve_until_signal
-from tandem.runtime import load_model
+from tandem.runtime import dtype_name, load_model
 from tandem.structured import GrammarCompiler, GrammarLimits
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ async def serve(config: TargetConfig) -> None:
                             max_len=kv_cache.max_len, connect=connect)
     scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_queue, metrics, config.prefix_caching,
                           config.max_num_batched_tokens)
-    metrics.describe_cache(kv_cache.block_size, kv_cache.num_blocks, str(kv_cache.v[0].dtype).removeprefix("torch."),
+    metrics.describe_cache(kv_cache.block_size, kv_cache.num_blocks, dtype_name(kv_cache.dtype),
                            config.prefix_caching)
     engine = Engine(ModelRunner(loaded.model, metrics), scheduler, speculator, loaded.tokenizer, config, metrics)
     compiler = await asyncio.to_thread(

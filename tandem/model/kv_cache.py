@@ -74,6 +74,7 @@ class KVCache:
         # Zeros, not empty: masked-out entries are multiplied by a zero weight, and 0 * NaN = NaN.
         self.k = [_zeros(k_shape, dtype, device) for _ in range(config.num_layers)]
         self.v = [_zeros(v_shape, dtype, device) for _ in range(config.num_layers)]
+        self.dtype = dtype
         self.transposed_keys = transposed_keys
         self.num_slots = num_slots
         self.max_len = max_len

@@ -91,7 +91,7 @@ class NativeDecoder:
             num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
             max_len=kv_cache.positions, pool_positions=kv_cache.v[0].shape[1],
             block_tables=self._ptr(kv_cache.block_tables), weights_kind=self.kind,
-            kv_type=KV_TYPES[kv_cache.k[0].dtype], eps=config.rms_norm_eps,
+            kv_type=KV_TYPES[kv_cache.dtype], eps=config.rms_norm_eps,
             rope_cos=self._ptr(rope_cos.float().contiguous()), rope_sin=self._ptr(rope_sin.float().contiguous()),
             embed=None if tied else self._embed(weights.embed),
             final_norm=self._ptr(weights.norm.float().contiguous()),

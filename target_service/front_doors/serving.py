@@ -18,7 +18,7 @@ from target_service.front_doors.request_grammars import RequestGrammars
 from target_service.front_doors.tool_calls import ToolChoice
 from target_service.front_doors.validation import validate_request
 from target_service.sequence import Output, Sequence
-from tandem.runtime import LoadedModel
+from tandem.runtime import LoadedModel, dtype_name
 from tandem.v1 import generation_pb2
 
 SERVER_ABORTED = "the server aborted this request (it is shutting down, or a step failed); retry it"
@@ -103,10 +103,10 @@ class Serving:
 
     @property
     def dtype(self) -> str:
-        return str(self.loaded.model.dtype).removeprefix("torch.")
+        return dtype_name(self.loaded.model.dtype)
 
     @property
     def kv_cache_dtype(self) -> str:
         """As vLLM names it: auto for a cache in the model's dtype, else the cache's."""
-        cache = str(self.loaded.model.kv_cache.k[0].dtype).removeprefix("torch.")
+        cache = dtype_name(self.loaded.model.kv_cache.dtype)
         return "auto" if cache == self.dtype else cache

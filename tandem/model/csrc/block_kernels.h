@@ -97,8 +97,9 @@ static inline __attribute__((always_inline)) void group_dot_k(const uint8_t* gro
         for (int w = 0; w < 8; w++) {
             const uint8_t* window = super + header_bytes(type) + w * window_bytes(type);
             const XBlock* xw = x + s * 8 + w;
-            if (rows >= WHOLE_PREFETCH_ROWS)  /* the next superblock (8 blocks ahead), an eighth per window */
-                prefetch_span(super + super_bytes(type) + w * super_bytes(type) / 8, super_bytes(type) / 8);
+            if (rows >= WHOLE_PREFETCH_ROWS)  /* PREFETCH_BLOCKS blocks ahead, an eighth of a superblock per window */
+                prefetch_span(super + PREFETCH_BLOCKS / 8 * super_bytes(type) + w * super_bytes(type) / 8,
+                              super_bytes(type) / 8);
             VI sums[2][BLOCK_TILE_ROWS];  /* Q6_K: weights 0-15 and 16-31 of the window apart */
             for (int r = 0; r < rows; r++) sums[0][r] = sums[1][r] = SI(setzero)();
             VI plane = CHUNK(window + 16 * G), upper = plane;

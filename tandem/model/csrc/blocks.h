@@ -156,9 +156,10 @@ __attribute__((optimize("fp-contract=off"))) static float k_weight(const uint8_t
 /* Fetching a group's weights ahead of the products. With a few activation rows a block's products
    take longer than memory's latency is hidden for: out-of-order execution reaches about one block
    ahead, and a block of 16 rows spans 5 to 9 cache lines, so the stream stalls unless every line
-   is fetched PREFETCH_BLOCKS (K-quants: one superblock) blocks ahead (measured on Zen 4, 5 rows, Q4_1, K = 2048 and 8192:
-   57 -> 79 GMAC/s; K = 576: level). One row (a decode) streams faster with one line 4 blocks
-   ahead and the hardware's prefetcher, and two rows at K = 576 lost 12% with whole blocks. */
+   is fetched PREFETCH_BLOCKS blocks ahead (K-quants: that many blocks' superblocks). Measured on
+   Zen 4, 5 rows, Q4_1: 57 -> 79 GMAC/s at K = 2048 and 8192, level at K = 576. One row (a decode)
+   streams faster with one line 4 blocks ahead and the hardware's prefetcher, and two rows at
+   K = 576 lost 12-20% with whole blocks 2, 4 or 8 ahead. */
 #define PREFETCH_BLOCKS 8
 #define WHOLE_PREFETCH_ROWS 3
 
