@@ -11,7 +11,8 @@ what it answered, the proposals it holds) and the link to the drafter. The engin
   release(seq)              close a finished sequence on the drafter
 
 The link calls on_proposals and reopen_all (the DrafterPeer protocol). Nothing else calls the
-policy. All of it runs on the event loop.
+policy. All of it runs on the event loop. A target started without a drafter (no link) has nothing
+to plan, count or tell: admit, schedule, account and publish return at once.
 """
 from __future__ import annotations
 
@@ -105,6 +106,8 @@ class Speculator:
 
         Called before their prefill, so that the drafter's prefill runs beside it.
         """
+        if self.link is None:
+            return
         for seq in seqs:
             self._states[seq.seq_id] = DrafterState(seq, record=self.policy.new_record())
         self._send(opens=[self._open(self._states[seq.seq_id]) for seq in seqs if self._speculates(seq)])
@@ -116,6 +119,8 @@ class Speculator:
         admission: whether a prompt waits (to be admitted, or for its next chunk), which ends the wait
         when the policy says so.
         """
+        if self.link is None:
+            return DraftPlan(tuple(PlannedDrafts(seq=seq, cap=0, drafts=None, awaiting=False) for seq in seqs))
         states = [self._states[seq.seq_id] for seq in seqs]
         plan = self._plan(states)
         budgets = self.policy.draft_limits([state.record for state in states], plan.caps)
@@ -129,6 +134,8 @@ class Speculator:
         the rest; the policy learns from the verifier's verdict, which judges the drafter, not the stop.
         seconds: the forward pass; cycle: the step's whole cycle since the last one's account.
         """
+        if self.link is None:
+            return
         self.policy.observe_step(plan.num_tokens, seconds)
         self._observe_cycle(plan, outputs, cycle)
         m = self.metrics
@@ -165,6 +172,8 @@ class Speculator:
 
         The synchronous baseline then waits for the drafts of the new prefixes.
         """
+        if self.link is None:
+            return
         for seq, result, first in zip(seqs, results, firsts, strict=True):
             if result.features is not None:
                 self.keep_features(seq, first, result.features)

@@ -157,17 +157,18 @@ class Harness:
 
 @pytest.fixture
 def make():
-    """Builds a Harness; the drafter is connected, and steps never wait unless draft_wait_ms is given."""
+    """Builds a Harness; the drafter is connected (none with drafter=False), and steps never wait
+    unless draft_wait_ms is given."""
     engines = []
 
     def build(num_slots: int = 4, max_len: int = 64, max_k: int = MAX_K, kv_blocks: int | None = None,
-              **config) -> Harness:
+              drafter: bool = True, **config) -> Harness:
         config.setdefault("draft_wait_ms", 0)
         events: list = []
         link = FakeLink(events, max_k=max_k)
         target_config, metrics = TargetConfig(**config), TargetMetrics("test")
         speculator = Speculator(speculation_policy(target_config), metrics, vocab_size=VOCAB, max_len=max_len,
-                                connect=lambda peer: link)
+                                connect=(lambda peer: link) if drafter else None)
         cache = KVCache(SHAPES["tiny"], num_slots, max_len, torch.float32, torch.device("cpu"), num_blocks=kv_blocks)
         scheduler = Scheduler(cache, target_config.max_num_seqs, target_config.max_queue, metrics,
                               target_config.prefix_caching, target_config.max_num_batched_tokens)
@@ -187,6 +188,20 @@ def outputs(seq: Sequence) -> list[Output]:
     while not seq.outbox.empty():
         got.append(seq.outbox.get_nowait())
     return got
+
+
+async def test_a_target_without_a_drafter_does_no_speculation_work(make):
+    """Started without --drafter, the target commits the same tokens, and the policy hears of no step:
+    nothing is planned, measured or told for drafts that can never come."""
+    h = make(drafter=False)
+    seq = h.submit()
+    for _ in range(4):
+        await h.engine.step()
+    assert seq.token_ids == [*PROMPT, *T[:4]]
+    policy = h.engine.speculator.policy
+    assert policy.mean_cycle == 0.0 and policy.mean_step == policy.max_wait  # as constructed: no step fed it
+    assert policy.guard.speedup is None
+    assert h.link.updates == []
 
 
 async def _prefilled(make, **overrides) -> tuple[Harness, Sequence]:
