@@ -40,6 +40,8 @@ class DraftRecord:
 
     accepted: float = 0.0
     judged: float = 0.0
+    answers: float = 0.0  # the drafter's answers for its prefixes, and those that carried drafts
+    drafted: float = 0.0
     paused: bool = False  # no draft of it paid when last asked: drafts are weighed again after an exploring step
     guard: GuardRecord = field(default_factory=GuardRecord)  # its realized speed with speculation (SpeedGuard)
 
@@ -47,6 +49,11 @@ class DraftRecord:
         keep = 1 - _SEQUENCE_SMOOTHING
         self.accepted = keep * self.accepted + num_accepted
         self.judged = keep * self.judged + _judged(num_accepted, num_drafts)
+
+    def observe_answer(self, has_drafts: bool) -> None:
+        keep = 1 - _SEQUENCE_SMOOTHING
+        self.answers = keep * self.answers + 1
+        self.drafted = keep * self.drafted + has_drafts
 
 
 class SpeculationPolicy:
@@ -88,6 +95,7 @@ class SpeculationPolicy:
         self._per_token = 0.0  # the last cost per token the fit could measure; 0 until it could
         self._paused = False  # the drafter was last asked for no sequence's drafts beyond exploring
         self._accepted = self._judged = 1.0  # alpha = 1 until measured, so that drafts get tried
+        self._answers = self._drafted = 1.0  # every answer carries drafts until measured
         self.guard = SpeedGuard()
 
     def new_record(self) -> DraftRecord:
@@ -133,6 +141,18 @@ class SpeculationPolicy:
     def allowed(self, records: list[DraftRecord]) -> list[bool]:
         """Whether the speed guard lets each sequence verify drafts in the next step."""
         return self.guard.allowed([record.guard for record in records])
+
+    def observe_drafts_answer(self, has_drafts: bool, record: DraftRecord) -> None:
+        """The drafter answered one of the sequence's prefixes, with drafts or with nothing."""
+        keep = 1 - _MODEL_SMOOTHING
+        self._answers = keep * self._answers + 1
+        self._drafted = keep * self._drafted + has_drafts
+        record.observe_answer(has_drafts)
+
+    def drafted_share(self, record: DraftRecord) -> float:
+        """The share of the drafter's answers for this sequence that carry drafts: its own, with the
+        batch's as a prior worth a few answers. A chat's lookup drafter mostly answers nothing."""
+        return (record.drafted + _PRIOR_JUDGED * self._drafted / self._answers) / (record.answers + _PRIOR_JUDGED)
 
     def observe_draft_rtt(self, seconds: float) -> None:
         self.mean_rtt += _SMOOTHING * (seconds - self.mean_rtt)
@@ -252,12 +272,14 @@ class SpeculationPolicy:
             limits[i] += 1
         return limits
 
-    def wait_bound(self, elapsed: float = 0.0) -> float:
+    def wait_bound(self, elapsed: float = 0.0, drafted: float = 1.0) -> float:
         """How much longer a step may wait for drafts asked for `elapsed` seconds ago.
 
         The drafts save about mean accepted x step time when they come, and they come within w with
         the share of the drafter's recent round trips that end within elapsed + w, of those not over
-        yet: the bound is the w that maximizes that expected saving less w, or 0 where none gains.
+        yet, and only in the share `drafted` of its answers that carry drafts at all (an answer of
+        nothing saves nothing): the bound is the w that maximizes that expected saving less w, or 0
+        where none gains.
         So a drafter whose answers come later than --draft-wait-ms is not waited for at all, and one
         whose answers mostly come at once but sometimes late is waited for as long as they mostly
         take. Until a round trip is measured, the saving itself, at most --draft-wait-ms.
@@ -267,7 +289,7 @@ class SpeculationPolicy:
         a step would stay paused for good."""
         if self._paused and self._steps_to_explore(_EXPLORE_PAUSED_EVERY) == 0:
             return self.max_wait
-        saving = self.mean_accepted * self.mean_step
+        saving = drafted * self.mean_accepted * self.mean_step
         if not self._delays:
             return min(self.max_wait, saving)
         return best_wait(self._delays, elapsed, saving, self.max_wait)
@@ -281,10 +303,10 @@ class SpeculationPolicy:
         """How long the drafter may leave an update unanswered before steps stop waiting for it."""
         return max(_PATIENCE_RTTS * self.mean_rtt, self.longest_wait)
 
-    def wait_deadline(self, now: float, asked_at: float) -> float:
+    def wait_deadline(self, now: float, asked_at: float, drafted: float = 1.0) -> float:
         """When a step that starts waiting now for drafts asked for at `asked_at` stops: after the
-        bound, or when patience runs out."""
-        deadline = now + self.wait_bound(now - asked_at)
+        bound, or when patience runs out. drafted: the share of answers with drafts (wait_bound)."""
+        deadline = now + self.wait_bound(now - asked_at, drafted)
         if self._unanswered_since is not None:
             deadline = min(deadline, self._unanswered_since + self.patience())
         return deadline
@@ -322,7 +344,7 @@ class SyncPolicy(SpeculationPolicy):
     def drafts_to_request(self, records: list[DraftRecord], caps: list[int]) -> list[int]:
         return list(caps)
 
-    def wait_bound(self, elapsed: float = 0.0) -> float:
+    def wait_bound(self, elapsed: float = 0.0, drafted: float = 1.0) -> float:
         return _SYNC_WAIT
 
     @property

@@ -242,8 +242,11 @@ class Speculator:
         if not _awaits(plan, budgets):
             return plan
         started = time.perf_counter()
-        asked_at = max(self._states[e.seq.seq_id].told_at or started for e in plan.entries if e.awaiting)
-        deadline = self.policy.wait_deadline(started, asked_at)
+        awaiting = [self._states[e.seq.seq_id] for e, budget in zip(plan.entries, budgets, strict=True)
+                    if e.awaiting and budget > 0]
+        asked_at = max(state.told_at or started for state in awaiting)
+        drafted = max(self.policy.drafted_share(state.record) for state in awaiting)
+        deadline = self.policy.wait_deadline(started, asked_at, drafted)
         slept = False
         while _awaits(plan, budgets):
             remaining = deadline - time.perf_counter()
@@ -354,6 +357,7 @@ class Speculator:
         seq = state.seq
         if not msg.assumed_ids:  # a pre-draft answers the prefix it assumes, once that is committed
             state.answered_len = max(state.answered_len, min(msg.base_len, len(seq.token_ids)))
+            self.policy.observe_drafts_answer(bool(msg.token_ids), state.record)
         if not msg.token_ids:
             return  # nothing for this prefix
         try:

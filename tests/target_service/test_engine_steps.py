@@ -882,6 +882,33 @@ async def test_a_sequence_that_can_verify_no_drafts_is_not_waited_for(make):
     assert last.finish is FinishReason.LENGTH
 
 
+@pytest.mark.parametrize("answers_carry_drafts", [True, False])
+async def test_a_step_waits_only_for_a_drafter_whose_answers_carry_drafts(make, answers_carry_drafts):
+    """A lookup drafter on a chat answers most prefixes with nothing. Waiting for its answer saves a
+    step only in the share of answers that carry drafts: after four answers of nothing, each 100 ms
+    after its update, a step no longer waits the 100 ms that it waits for a drafter whose answers
+    carried drafts."""
+    h = make(draft_wait_ms=1000)
+    seq = h.submit(max_tokens=len(T))
+    await h.engine.step()
+    loop = asyncio.get_running_loop()
+
+    def answer_in_100ms(with_drafts: bool) -> None:
+        n = len(seq.token_ids)
+        drafts = CONTINUATIONS[PROMPT][n - len(PROMPT):][:2] if with_drafts else ()
+        loop.call_later(0.1, h.propose, seq, n, drafts)
+
+    for _ in range(4):
+        answer_in_100ms(answers_carry_drafts)
+        await h.engine.step()
+    answer_in_100ms(True)
+    waited = await _timed_step(h)
+    if answers_carry_drafts:
+        assert waited >= 0.1 and h.verified_drafts(seq)
+    else:
+        assert waited < 0.1 and not h.verified_drafts(seq)
+
+
 async def test_a_request_to_admit_ends_the_wait_for_drafts(make):
     """Waiting for drafts never delays a prefill."""
     h = make(draft_wait_ms=1000)

@@ -61,6 +61,22 @@ def test_the_drafter_is_told_a_late_round_trip_and_the_step_interval():
     assert policy.mean_cycle == pytest.approx(0.040, abs=1e-4)
 
 
+def test_answers_that_mostly_carry_nothing_are_not_waited_for():
+    """An answer of nothing saves no step: the wait weighs the saving by the share of the sequence's
+    answers that carry drafts, its own drawn towards the batch's."""
+    policy = _policy(draft_wait_ms=50)  # the saving: 2 accepted x 40 ms
+    for _ in range(64):
+        policy.observe_draft_rtt(0.030)
+    chat, copy = DraftRecord(), DraftRecord()
+    assert 0.030 < policy.wait_bound(drafted=policy.drafted_share(chat)) < 0.034  # nothing measured: all carry drafts
+    for i in range(100):
+        policy.observe_drafts_answer(i % 5 == 0, chat)
+        policy.observe_drafts_answer(True, copy)
+    assert policy.drafted_share(chat) < 0.3 < 0.9 < policy.drafted_share(copy)
+    assert policy.wait_bound(drafted=policy.drafted_share(chat)) == 0  # 0.2 x 80 ms is less than the 33 ms wait
+    assert 0.030 < policy.wait_bound(drafted=policy.drafted_share(copy)) < 0.034
+
+
 def test_no_step_waits_for_answers_the_round_trips_say_come_after_the_bound():
     policy = _policy(draft_wait_ms=30)
     for _ in range(64):
