@@ -12,7 +12,8 @@ what it answered, the proposals it holds) and the link to the drafter. The engin
 
 The link calls on_proposals and reopen_all (the DrafterPeer protocol). Nothing else calls the
 policy. All of it runs on the event loop. A target started without a drafter (no link) has nothing
-to plan, count or tell: admit, schedule, account and publish return at once.
+to plan, count or tell: admit, schedule, account and publish return at once. Nor does a step in
+which no sequence can verify drafts (the drafter is away, or no request asked for speculation).
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ class Speculator:
         admission: whether a prompt waits (to be admitted, or for its next chunk), which ends the wait
         when the policy says so.
         """
-        if self.link is None:
+        if self.link is None or not any(self._cap(seq) for seq in seqs):
             return DraftPlan(tuple(PlannedDrafts(seq=seq, cap=0, drafts=None, awaiting=False) for seq in seqs))
         states = [self._states[seq.seq_id] for seq in seqs]
         plan = self._plan(states)
@@ -134,7 +135,7 @@ class Speculator:
         the rest; the policy learns from the verifier's verdict, which judges the drafter, not the stop.
         seconds: the forward pass; cycle: the step's whole cycle since the last one's account.
         """
-        if self.link is None:
+        if not any(plan.caps):
             return
         self.policy.observe_step(plan.num_tokens, seconds)
         self._observe_cycle(plan, outputs, cycle)
@@ -296,11 +297,12 @@ class Speculator:
         now = time.perf_counter()
         extends = []
         owed = False  # an answer: a fresh proposal, unless a held pre-draft covers the new prefix
+        untold = [(seq, self._states[seq.seq_id]) for seq in seqs if seq.finish is None]
+        untold = [(seq, state) for seq, state in untold if state.told_len and len(seq.token_ids) != state.told_len]
+        if not untold:  # no sequence open on the drafter has committed anything new
+            return
         wanted = self._drafts_wanted()
-        for seq in [s for s in seqs if s.finish is None]:
-            state = self._states[seq.seq_id]
-            if not state.told_len or len(seq.token_ids) == state.told_len:
-                continue
+        for seq, state in untold:
             k = min(wanted[seq.seq_id], state.open_k)
             if k == 0:  # paused: the drafter answers nothing, and no step waits for it
                 state.answered_len = len(seq.token_ids)
