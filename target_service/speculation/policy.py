@@ -135,8 +135,16 @@ class SpeculationPolicy:
         self.guard.observe(StepResult([record.guard for record in records], speculating, tokens, seconds))
 
     def new_drafter(self, records: list[DraftRecord]) -> None:
-        """A drafter (re)connected: the speed guard measures it afresh."""
+        """A drafter (re)connected: the speed guard measures it afresh, and how often it answers with
+        drafts is learnt anew."""
         self.guard.new_drafter([record.guard for record in records])
+        self._answers = self._drafted = 1.0
+        for record in records:
+            record.answers = record.drafted = 0.0
+
+    def skip_step(self) -> None:
+        """A step in which no sequence could verify drafts: nothing to learn from it (SpeedGuard.skip)."""
+        self.guard.skip()
 
     def allowed(self, records: list[DraftRecord]) -> list[bool]:
         """Whether the speed guard lets each sequence verify drafts in the next step."""

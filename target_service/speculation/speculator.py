@@ -12,8 +12,9 @@ what it answered, the proposals it holds) and the link to the drafter. The engin
 
 The link calls on_proposals and reopen_all (the DrafterPeer protocol). Nothing else calls the
 policy. All of it runs on the event loop. A target started without a drafter (no link) has nothing
-to plan, count or tell: admit, schedule, account and publish return at once. Nor does a step in
-which no sequence can verify drafts (the drafter is away, or no request asked for speculation).
+to plan, count or tell: admit, schedule, account and publish return at once. A step in which no
+sequence can verify drafts (the drafter is away, or no request asked for speculation) plans and
+measures nothing either, and a drafter that is away is told nothing until it is back.
 """
 from __future__ import annotations
 
@@ -136,6 +137,7 @@ class Speculator:
         seconds: the forward pass; cycle: the step's whole cycle since the last one's account.
         """
         if not any(plan.caps):
+            self.policy.skip_step()
             return
         self.policy.observe_step(plan.num_tokens, seconds)
         self._observe_cycle(plan, outputs, cycle)
@@ -297,9 +299,10 @@ class Speculator:
         now = time.perf_counter()
         extends = []
         owed = False  # an answer: a fresh proposal, unless a held pre-draft covers the new prefix
-        untold = [(seq, self._states[seq.seq_id]) for seq in seqs if seq.finish is None]
+        untold = [(seq, self._states[seq.seq_id]) for seq in seqs if seq.finish is None and self.connected]
         untold = [(seq, state) for seq, state in untold if state.told_len and len(seq.token_ids) != state.told_len]
-        if not untold:  # no sequence open on the drafter has committed anything new
+        if not untold:  # the drafter is away (a reconnect reopens every sequence), or none open on it has news
+            self.metrics.drafts_requested.set(0)
             return
         wanted = self._drafts_wanted()
         for seq, state in untold:
@@ -337,7 +340,7 @@ class Speculator:
     def keep_features(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
         """A step's features of seq's positions first.. (rows [R, layers, hidden]): a verify's, a
         prompt's or a chunk of it; the committed ones go with its next Extend."""
-        if seq.finish is not None:
+        if seq.finish is not None or not self.connected:  # a reconnect reopens it with no features held
             return
         state = self._states.get(seq.seq_id)
         end = len(seq.token_ids) - 1  # the last committed token has no feature yet

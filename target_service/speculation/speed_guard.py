@@ -152,11 +152,14 @@ class SpeedGuard:
     def new_drafter(self, records: list[GuardRecord]) -> None:
         """A drafter (re)connected: what speculating cost with the last one says nothing of this one.
         Its measurements are forgotten, and the running sequences get a trial again, which no window
-        overdue from the time without a drafter interrupts: the next comes a period on."""
+        overdue from the time without a drafter interrupts: the next comes a period on. Its first
+        steps settle before they are measured, as after any change of mode."""
         self._times[True].clear()
         self._window, self._next_window = None, self._step + EXPLORE_PERIOD
         self._prior, self._speedup = _Average(), _Average()
+        self._modes = []
         for record in records:
+            record.last_on = False
             record.tokens = record.steps = 0.0
             record.measured, record.held_off, record.trial, record.trial_steps = 0, False, True, TRIAL_STEPS
 
@@ -217,6 +220,11 @@ class SpeedGuard:
         return EXPLORE_PERIOD * int(min(MAX_PERIOD_FACTOR, max(1.0, distance / CONFIDENT_LOG_RATIO)))
 
     # ---- what they did ---------------------------------------------------------------------------
+
+    def skip(self) -> None:
+        """A step in which no sequence could speculate (the drafter away, or none asking), which the
+        guard does not time: an off step all the same for the settling of the steps after it."""
+        self._modes = [*self._modes[1 - _SETTLE_STEPS:], False]
 
     def observe(self, step: StepResult) -> None:
         """A step's realized cycle; steps right after a change of mode are not measured."""

@@ -73,8 +73,10 @@ def test_answers_that_mostly_carry_nothing_are_not_waited_for():
         policy.observe_drafts_answer(i % 5 == 0, chat)
         policy.observe_drafts_answer(True, copy)
     assert policy.drafted_share(chat) < 0.3 < 0.9 < policy.drafted_share(copy)
-    assert policy.wait_bound(drafted=policy.drafted_share(chat)) == 0  # 0.2 x 80 ms is less than the 33 ms wait
+    assert policy.wait_bound(drafted=policy.drafted_share(chat)) == 0  # a quarter of 80 ms is less than the 33 ms wait
     assert 0.030 < policy.wait_bound(drafted=policy.drafted_share(copy)) < 0.034
+    policy.new_drafter([chat, copy])  # another drafter: its answers are learnt anew
+    assert policy.drafted_share(chat) == policy.drafted_share(copy) == 1.0
 
 
 def test_no_step_waits_for_answers_the_round_trips_say_come_after_the_bound():

@@ -108,6 +108,23 @@ def test_no_step_right_after_a_change_of_mode_is_measured():
     assert record.measured == 2  # the last two on steps, each after two on steps
 
 
+def test_the_first_steps_after_a_skipped_one_or_a_new_drafter_are_not_measured():
+    """A step in which no sequence could speculate is not timed, but it is an off step: the on steps
+    after it (their drafts asked for then) settle first, as do a new drafter's first steps."""
+    guard = SpeedGuard()
+    record = GuardRecord()
+    for _ in range(3):
+        guard.observe(StepResult([record], [True], [2], 0.03))
+    measured = record.measured
+    guard.skip()
+    for seconds in (0.5, 0.7):
+        guard.observe(StepResult([record], [True], [1], seconds))
+    assert record.measured == measured  # the two steps after the skipped one settle
+    guard.new_drafter([record])
+    guard.observe(StepResult([record], [True], [1], 0.9))
+    assert record.measured == 0 and guard.speedup is None
+
+
 AWFUL = Behaviour(tokens=1, extra=0.020)  # speculating doubles the step and adds nothing
 
 
