@@ -20,7 +20,8 @@ after it: what speculation speeds up, free of the prefills' spread) against alon
 per verify step with drafts), TTFT p50 and its ratio, the mean draft round trip the target measured, time waited for drafts per decode step, the shares of
 steps that missed drafts or salvaged stale ones, dropped stale proposals, the tokens the speed
 guard counted as gained less those lost against the target alone, how many outputs equal
-the target alone's, and the CPU seconds of each process over the phase. Writes a markdown table,
+the target alone's, and the CPU seconds of each process over the phase; the JSON also has the
+target's steps by kind (prefill, decode, verify: how many, and their mean time). Writes a markdown table,
 a JSON file and a plot of tokens/s / alone against round trip.
 """
 from __future__ import annotations
@@ -237,6 +238,11 @@ def row(cell: NetworkCell, alone: NetworkCell, cpu: dict[str, float]) -> dict:
         "identical": sum(cell.outputs[p] == alone.outputs[p] for p in alone.outputs),
         "prompts": len(alone.outputs),
         "cpu_s": cpu,
+        # Where the target's time went: its steps by kind, how many and how long each took (served).
+        "steps": {kind: {"count": int(c[f"step_{kind}_count"]),
+                         "mean_ms": 1000 * c[f"step_{kind}_sum"] / c[f"step_{kind}_count"]
+                         if c[f"step_{kind}_count"] else None}
+                  for kind in ("prefill", "decode", "verify")},
     }
 
 

@@ -25,13 +25,16 @@ def test_a_row_sets_the_streams_decode_rate_apart_from_the_groups_wall_time():
     alone = _cell(network.ALONE, 10.0, [1.0, 3.0], [20.0, 30.0])
     # Slower prefills made the group's wall time longer, while each stream decoded faster.
     pair = _cell("suffix", 12.5, [2.0, 4.0], [30.0, 30.0], drafts=10, accepted_tokens=12,
-                 step_decode_count=20, step_verify_count=10)
+                 step_decode_count=20, step_decode_sum=0.1, step_verify_count=10, step_verify_sum=0.09)
     row = network.row(pair, alone, {"target": 1.0})
     assert row["vs_alone"] == pytest.approx(0.8)
     assert row["decode_vs_alone"] == pytest.approx(1.2)
     assert row["ttft_vs_alone"] == pytest.approx(1.5)
     assert row["mal"] == pytest.approx(2.2)
     assert "| 0.80 | 1.20 | 2.20 |" in network.markdown([row])
+    assert row["steps"]["decode"] == {"count": 20, "mean_ms": pytest.approx(5.0)}
+    assert row["steps"]["verify"] == {"count": 10, "mean_ms": pytest.approx(9.0)}
+    assert row["steps"]["prefill"] == {"count": 0, "mean_ms": None}
 
 
 @pytest.mark.parametrize("flags, named", [(["--kinds", "chat,poetry"], "poetry"), (["--drafters", "suffix,medusa"], "medusa")])
