@@ -21,6 +21,7 @@ _EXPLORE_LEAD = 3  # while none pay, the drafter drafts only for this many steps
 _SYNC_WAIT = 1.0  # synchronous speculation waits this long at most, so that a dead drafter can't stall us
 _PATIENCE_RTTS = 4  # a drafter that answers nothing for this many of its round trips is taken as hung
 _PRIOR_JUDGED = 4.0  # a sequence's own alpha starts as the batch's, worth this many judged drafts
+_PRIOR_ANSWERS = 4.0  # a sequence's share of answers with drafts starts as the batch's, worth this many answers
 _SEQUENCE_SMOOTHING = 1 / 16  # weight of a sequence's newest verification in its own record
 _DELAY_SAMPLES = 64  # the drafter's latest answer delays, from which a step decides how long to wait
 _WAIT_SLACK, _WAIT_SLACK_SECONDS = 0.1, 0.0005  # a wait outlasts the round trip it waits for by this much
@@ -160,7 +161,7 @@ class SpeculationPolicy:
     def drafted_share(self, record: DraftRecord) -> float:
         """The share of the drafter's answers for this sequence that carry drafts: its own, with the
         batch's as a prior worth a few answers. A chat's lookup drafter mostly answers nothing."""
-        return (record.drafted + _PRIOR_JUDGED * self._drafted / self._answers) / (record.answers + _PRIOR_JUDGED)
+        return (record.drafted + _PRIOR_ANSWERS * self._drafted / self._answers) / (record.answers + _PRIOR_ANSWERS)
 
     def observe_draft_rtt(self, seconds: float) -> None:
         self.mean_rtt += _SMOOTHING * (seconds - self.mean_rtt)

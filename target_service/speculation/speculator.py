@@ -121,10 +121,12 @@ class Speculator:
         admission: whether a prompt waits (to be admitted, or for its next chunk), which ends the wait
         when the policy says so.
         """
-        if self.link is None or not any(self._cap(seq) for seq in seqs):
+        if self.link is None:
             return DraftPlan(tuple(PlannedDrafts(seq=seq, cap=0, drafts=None, awaiting=False) for seq in seqs))
         states = [self._states[seq.seq_id] for seq in seqs]
         plan = self._plan(states)
+        if not any(plan.caps):  # the drafter is away, or no sequence asked for speculation
+            return plan
         budgets = self.policy.draft_limits([state.record for state in states], plan.caps)
         plan = await self._wait_for_drafts(plan, budgets, admission)
         return self._take(states, plan, budgets)
@@ -175,7 +177,8 @@ class Speculator:
 
         The synchronous baseline then waits for the drafts of the new prefixes.
         """
-        if self.link is None:
+        if not self.connected:  # nothing to tell: a reconnect reopens every sequence, with no features held
+            self.metrics.drafts_requested.set(0)
             return
         for seq, result, first in zip(seqs, results, firsts, strict=True):
             if result.features is not None:
@@ -299,9 +302,9 @@ class Speculator:
         now = time.perf_counter()
         extends = []
         owed = False  # an answer: a fresh proposal, unless a held pre-draft covers the new prefix
-        untold = [(seq, self._states[seq.seq_id]) for seq in seqs if seq.finish is None and self.connected]
+        untold = [(seq, self._states[seq.seq_id]) for seq in seqs if seq.finish is None]
         untold = [(seq, state) for seq, state in untold if state.told_len and len(seq.token_ids) != state.told_len]
-        if not untold:  # the drafter is away (a reconnect reopens every sequence), or none open on it has news
+        if not untold:  # no sequence open on the drafter has news
             self.metrics.drafts_requested.set(0)
             return
         wanted = self._drafts_wanted()
