@@ -176,9 +176,11 @@ def never() -> bool:
 
 
 class Drafter(Protocol):
-    """A source of draft tokens; every method runs on the drafting thread."""
+    """A source of draft tokens; every method runs on the drafting thread, or, for a drafter with
+    inline_rounds, settle and draft may run on the event loop (never both at once)."""
 
     kind: str  # "model" or "ngram", as Info reports it
+    inline_rounds: bool  # its rounds are lookups of microseconds: those that open or close nothing run on the event loop
     probs_top_k: int  # K of the q' it sends, as Info reports it
     feature_layout: FeatureLayout | None  # the target features it reads (Info's hidden_layers), or None
 

@@ -222,6 +222,7 @@ class ModelDrafter:
     """Drafts with a LlamaModel: one KV slot per open sequence, scratch slots for pre-drafts."""
 
     kind = "model"
+    inline_rounds = False
     feature_layout = None  # it reads no target features
 
     def __init__(self, model: LlamaModel, probs_top_k: int, metrics: DraftMetrics,

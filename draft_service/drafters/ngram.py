@@ -43,6 +43,7 @@ class NgramDrafter:
     """Drafts by prompt lookup in each sequence's own tokens; holds no per-sequence state."""
 
     kind = "ngram"
+    inline_rounds = True
     probs_top_k = 1
     feature_layout = None  # it reads no target features
 

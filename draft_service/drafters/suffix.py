@@ -33,6 +33,7 @@ class SuffixDrafter:
     """Per-sequence indexes over prompt and output, and one shared index over finished outputs."""
 
     kind = "suffix"
+    inline_rounds = True
     probs_top_k = 1
     feature_layout = None  # it reads no target features
 
@@ -118,6 +119,7 @@ class SuffixFrontDrafter:
     instead: the copy has left what the grammar allows, and the model drafts under its mask."""
 
     kind = "suffix+model"
+    inline_rounds = False
     feature_layout = None  # it reads no target features
 
     def __init__(self, suffix: SuffixDrafter, model: ModelDrafter, confidence: float):

