@@ -22,7 +22,7 @@ from draft_service.drafters.suffix import SuffixDrafter, SuffixFrontDrafter
 from draft_service.drafters.suffix_index import SuffixParams
 from draft_service.scheduler import DraftScheduler, Limits, Stream
 from tandem.config import ModelConfig
-from tandem.grpc_server import ServerOptions, serve_until_signal, start_server
+from tandem.grpc_server import ServerOptions, freeze_startup_heap, serve_until_signal, start_server
 from tandem.runtime import load_eagle3_head, load_model, load_tokenizer, tokenizer_path
 from tandem.structured import GrammarCompiler, GrammarLimits
 from tandem.tokenizer import Tokenizer
@@ -139,6 +139,7 @@ async def serve(config: DraftConfig) -> None:
                                max_fanout=config.max_fanout, guesses=guesses, grammars=loaded.grammars,
                                max_predraft_depth=config.max_predraft_depth)
     servicer = DraftService(loaded.info, scheduler)
+    freeze_startup_heap()
     options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port,
                             max_message_bytes=config.max_message_bytes, grace_seconds=config.grace_seconds,
                             tls=config.server_tls())

@@ -1,7 +1,9 @@
-"""What both services' gRPC servers share: uvloop, health, reflection, metrics, limits, SIGTERM."""
+"""What both services' gRPC servers share: uvloop, health, reflection, metrics, limits, SIGTERM,
+and a garbage collector that leaves what startup built alone."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
@@ -119,6 +121,16 @@ async def start_server(
                 "mTLS" if options.tls.client_ca_file else "TLS")
     log.info("serving %s on %s:%d (%s)", ", ".join(service_names), options.host, port, security)
     return running
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object startup made (model, tokenizer, modules: about 220,000
+    on a target) out of the collector's reach. A full collection scanned them for 90-100 ms (a
+    SmolLM2 target, measured), a pause for every stream; after the freeze it scans only what
+    serving made. vLLM and SGLang freeze their heaps after warm-up too."""
+    gc.collect()
+    gc.freeze()
+    log.info("froze %d objects made at startup out of the garbage collector's scans", gc.get_freeze_count())
 
 
 async def serve_until_signal(

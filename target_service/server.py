@@ -17,7 +17,7 @@ from target_service.scheduler import Scheduler
 from target_service.speculation.link import DrafterLink
 from target_service.speculation.policy import speculation_policy
 from target_service.speculation.speculator import Speculator
-from tandem.grpc_server import serve_until_signal
+from tandem.grpc_server import freeze_startup_heap, serve_until_signal
 from tandem.runtime import dtype_name, load_model
 from tandem.structured import GrammarCompiler, GrammarLimits
 
@@ -54,6 +54,7 @@ async def serve(config: TargetConfig) -> None:
         GrammarCompiler, loaded.tokenizer, loaded.config.vocab_size,
         GrammarLimits(compile_seconds=config.grammar_compile_timeout, cache_size=config.grammar_cache_size))
     await asyncio.to_thread(engine.runner.warm_up)
+    freeze_startup_heap()
     link = speculator.link
     if link is not None:
         link.start()
