@@ -3,6 +3,7 @@
 SyncPolicy is the blocking baseline that benchmarks compare against (--sync-speculation)."""
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -261,24 +262,32 @@ class SpeculationPolicy:
         (fixed + per_token * (B + drafts)) seconds by the fitted cost_model. The drafts worth most
         come first, so the best set is the first m of them by worth, for the m of the highest rate;
         as alpha_i**j falls with j, each sequence's share of them is its first k_i drafts.
-        A paused sequence gets none, but right after an exploring step."""
+        A draft raises the rate only while its worth exceeds per_token x the rate so far, and once
+        one does not, none after it can (the rate falls, and stays above the worth that lowered
+        it): the drafts are taken by worth, from a heap of each sequence's next, until one does not
+        pay. A paused sequence gets none, but right after an exploring step."""
         explored = self._steps_to_explore(_EXPLORE_PAUSED_EVERY) == _EXPLORE_PAUSED_EVERY - 1
         available = [0 if record.paused and not explored else most for record, most in zip(records, available)]
         fixed, per_token = self.cost_model()
         batch = len(available)
-        alphas = [self.sequence_alpha(record) for record in records]
-        worth = sorted(((alpha**j, i) for i, (alpha, most) in enumerate(zip(alphas, available))
-                        for j in range(1, most + 1)), reverse=True)
-        tokens, expected = batch, float(batch)
-        best, best_rate = 0, expected / (fixed + per_token * tokens)
-        for m, (gain, _) in enumerate(worth, start=1):
-            tokens, expected = tokens + 1, expected + gain
-            rate = expected / (fixed + per_token * tokens)
-            if rate > best_rate:
-                best, best_rate = m, rate
         limits = [0] * batch
-        for _, i in worth[:best]:
+        alphas = {i: self.sequence_alpha(records[i]) for i, most in enumerate(available) if most}
+        heap = [(-alpha, -i) for i, alpha in alphas.items()]  # each sequence's next draft: (-worth, -i)
+        heapq.heapify(heap)  # by worth, then the later sequence first (ties as a sort by (worth, i) would)
+        tokens, expected = batch, float(batch)
+        rate = expected / (fixed + per_token * tokens)
+        while heap:
+            negative_worth, negative_i = heap[0]
+            tokens, expected = tokens + 1, expected - negative_worth
+            taken = expected / (fixed + per_token * tokens)
+            if taken <= rate:
+                break
+            rate, i = taken, -negative_i
             limits[i] += 1
+            if limits[i] < available[i]:
+                heapq.heapreplace(heap, (-alphas[i] ** (limits[i] + 1), negative_i))
+            else:
+                heapq.heappop(heap)
         return limits
 
     def wait_bound(self, elapsed: float = 0.0, drafted: float = 1.0) -> float:

@@ -144,18 +144,26 @@ class Speculator:
         self.policy.observe_step(plan.num_tokens, seconds)
         self._observe_cycle(plan, outputs, cycle)
         m = self.metrics
+        verified = drafted = 0
+        accepted_at: list[int] = []  # sequences whose draft at each position was accepted
         for entry, result, output in zip(plan.entries, results, outputs, strict=True):
             if output is None or not entry.num_drafts:
                 continue
             seq, accepted = entry.seq, output.num_accepted
             self.policy.observe_verify(result.num_accepted, entry.num_drafts, self._states[seq.seq_id].record)
             seq.count_draft_step(entry.num_drafts, accepted)
-            m.num_drafts.inc()
-            m.num_draft_tokens.inc(entry.num_drafts)
-            m.num_accepted_tokens.inc(accepted)
+            verified, drafted = verified + 1, drafted + entry.num_drafts
             m.acceptance_length.observe(accepted + 1)
+            accepted_at.extend([0] * (accepted - len(accepted_at)))
             for position in range(accepted):
-                m.child(m.accepted_per_pos, position=str(position)).inc()
+                accepted_at[position] += 1
+        if verified:  # the counters once per step, not once per sequence
+            m.num_drafts.inc(verified)
+            m.num_draft_tokens.inc(drafted)
+            m.num_accepted_tokens.inc(sum(accepted_at))
+            for position, count in enumerate(accepted_at):
+                if count:
+                    m.child(m.accepted_per_pos, position=str(position)).inc(count)
 
     def _observe_cycle(self, plan: DraftPlan, outputs: list[Output | None], cycle: float) -> None:
         """The speed guard's view of the step: a sequence speculated in it if it could verify drafts,
@@ -275,22 +283,25 @@ class Speculator:
         that the committed tokens contradict is dropped.
         """
         m = self.metrics
+        stale = predrafts = missed = hits = salvaged = 0  # counted once per step, as in account
         for state, entry, budget in zip(states, plan.entries, budgets, strict=True):
             m.draft_cache_held.observe(len(state.held))
             evicted = state.evict()
-            if evicted.stale:
-                m.child(m.draft_stale, outcome="dropped").inc(evicted.stale)
-            m.draft_cache_evicted.inc(evicted.predrafts)
+            stale, predrafts = stale + evicted.stale, predrafts + evicted.predrafts
             if entry.cap == 0 or budget == 0:
                 continue
             if entry.drafts is None:
-                m.draft_miss.inc()
+                missed += 1
             else:
                 entry.source.used = True
-                if entry.cached:
-                    m.draft_cache_hits.inc()
-                if entry.drafts.salvaged:
-                    m.child(m.draft_stale, outcome="salvaged").inc()
+                hits += entry.cached
+                salvaged += entry.drafts.salvaged
+        for metric, count in ((m.draft_cache_evicted, predrafts), (m.draft_miss, missed), (m.draft_cache_hits, hits)):
+            if count:
+                metric.inc(count)
+        for outcome, count in (("dropped", stale), ("salvaged", salvaged)):
+            if count:
+                m.child(m.draft_stale, outcome=outcome).inc(count)
         return plan.within(budgets)
 
     # ---- telling the drafter ---------------------------------------------------------------------

@@ -3,6 +3,7 @@ The draft budget: as many drafts per sequence as the step's expected tokens per 
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
@@ -228,6 +229,33 @@ def test_a_batch_whose_steps_all_look_alike_still_learns_what_drafts_cost():
     assert limits[0] == 5
     assert sorted(limits[-64:]) == [0] * 63 + [1]
     assert policy.cost_model() == (pytest.approx(0.010), pytest.approx(0.004))
+
+
+def _rate_maximizing_limits(alphas: list[float], available: list[int], fixed: float, per_token: float) -> list[int]:
+    """The definition: every draft ranked by worth alpha_i**j, and the first m of them for the m
+    whose step has the most expected tokens per second."""
+    worth = sorted(((alpha**j, i) for i, (alpha, most) in enumerate(zip(alphas, available))
+                    for j in range(1, most + 1)), reverse=True)
+    rates = [(len(alphas) + sum(w for w, _ in worth[:m])) / (fixed + per_token * (len(alphas) + m))
+             for m in range(len(worth) + 1)]
+    best = max(range(len(rates)), key=lambda m: (rates[m], -m))
+    limits = [0] * len(alphas)
+    for _, i in worth[:best]:
+        limits[i] += 1
+    return limits
+
+
+def test_the_budgets_are_those_that_maximize_the_steps_expected_rate():
+    rng = random.Random(7)
+    for _ in range(500):
+        batch = rng.randint(1, 40)
+        policy = SpeculationPolicy(TargetConfig())
+        fixed, per_token = rng.uniform(0.001, 0.05), rng.choice([0.0, rng.uniform(1e-6, 0.01)])
+        policy.cost_model = lambda: (fixed, per_token)
+        records = [DraftRecord(accepted=rng.uniform(0, 8), judged=8.0) for _ in range(batch)]
+        available = [rng.randint(0, 8) for _ in range(batch)]
+        alphas = [policy.sequence_alpha(record) for record in records]
+        assert policy._best_limits(records, available) == _rate_maximizing_limits(alphas, available, fixed, per_token)
 
 
 def test_synchronous_speculation_verifies_every_draft_whatever_it_costs():
