@@ -9,7 +9,7 @@ salvages stale drafts by base_len.
 
 Every Open and Extend gets an answer, so that the target knows it need not wait: a round's drafts,
 or an empty proposal ("nothing for this prefix") for a refused Open, an Extend of a refused
-sequence, a job over the drafter's budget, a round that failed, or a round that left the sequence
+sequence (unless the same update closes it), a job over the drafter's budget, a round that failed, or a round that left the sequence
 behind (it prefilled only a chunk of its long prompt, or it waited while another's chunk ran: it
 is drafted again in the next round, with no update needed); or, for a sequence whose target
 keeps pre-drafts, the pre-draft already sent for exactly the tokens the Extend committed. The
@@ -297,10 +297,12 @@ class DraftScheduler:
 
     def _close(self, stream: Stream, msg: drafter_pb2.SequenceClose) -> None:
         sequence = self._find(stream, msg.seq_id)
-        stream.refused.discard(msg.seq_id)
         if sequence is not None:
             del stream.sequences[msg.seq_id]
             self._release(sequence)
+        elif msg.seq_id in stream.refused:  # the closing tail's nothing-answer: nobody awaits it
+            stream.refused.discard(msg.seq_id)
+            stream.undrafted = [p for p in stream.undrafted if p.seq_id != msg.seq_id]
 
     def _find(self, stream: Stream, seq_id: int) -> DraftSequence | None:
         """The open sequence, None for a refused one; InvalidUpdate for an id never opened."""

@@ -175,6 +175,11 @@ async def test_a_refused_open_and_its_extends_are_answered_at_once(scheduler):
         assert (refused.seq_id, refused.base_len, list(refused.token_ids)) == (3, base_len, [])
     drafted = (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
     assert sorted(p.seq_id for p in drafted) == [1, 2]
+    scheduler.apply(stream, _update(extends=[(3, 8, [5])], closes=[3]))  # the closing tail: nobody awaits it
+    scheduler.apply(stream, _update(extends=[(3, 9, [6])]))  # closed, so no longer refused: an unknown sequence
+    await asyncio.sleep(0.2)
+    while not stream.outbox.empty():
+        assert 3 not in [p.seq_id for p in stream.outbox.get_nowait().proposals]
 
 
 async def test_a_long_prompt_prefilled_in_chunks_is_drafted_with_no_further_update():
