@@ -2,19 +2,21 @@
 
 Updates are applied on the event loop as they arrive; they only edit token lists and mark the
 sequence dirty. One loop task then runs rounds: it snapshots every dirty sequence, drafts them
-all in one batch on the drafter's thread, and queues the proposals on each sequence's stream.
-Updates that arrive during a round make their sequences dirty again, so the next round drafts
-from the newest prefix; a proposal for a prefix that moved on is still sent, since the target
-salvages stale drafts by base_len.
+all in one batch on the drafter's thread (a lookup drafter's round that opens or closes nothing,
+on the event loop), and queues the proposals on each sequence's stream. Updates that arrive during
+a round, or in the loop's pass between two rounds, make their sequences dirty again, so the next
+round drafts from the newest prefix; a proposal for a prefix that moved on is still sent, since
+the target salvages stale drafts by base_len.
 
 Every Open and Extend gets an answer, so that the target knows it need not wait: a round's drafts,
 or an empty proposal ("nothing for this prefix") for a refused Open, an Extend of a refused
-sequence (unless the same update closes it), a job over the drafter's budget, a round that failed, or a round that left the sequence
-behind (it prefilled only a chunk of its long prompt, or it waited while another's chunk ran: it
-is drafted again in the next round, with no update needed); or, for a sequence whose target
-keeps pre-drafts, the pre-draft already sent for exactly the tokens the Extend committed. The
-exception is a paused sequence (an Extend set its k to 0): the target will verify no drafts of its
-prefixes, so it is neither drafted nor answered until an Extend asks for drafts again.
+sequence (unless the same update closes it), a job over the drafter's budget, a round that
+failed, or a round that left the sequence behind (it prefilled only a chunk of its long prompt,
+or it waited while another's chunk ran: it is drafted again in the next round, with no update
+needed); or, for a sequence whose target keeps pre-drafts, the pre-draft already sent for
+exactly the tokens the Extend committed. The exception is a paused sequence (an Extend set its k
+to 0): the target will verify no drafts of its prefixes, so it is neither drafted nor answered
+until an Extend asks for drafts again.
 
 Rounds are ordered: fresh prefixes, which no sent proposal covers, first, all in one batch; when
 none waits, the pre-drafts of the outcomes of the proposals the target is verifying (predraft.py),
@@ -351,8 +353,12 @@ class DraftScheduler:
                 self._redraft_behind(work.jobs)
 
     async def _work(self) -> None:
-        """Returns at once while there is work; otherwise waits for an update, counting the time as idle."""
-        if not (self._dirty or self._slot_ops or self._predrafter.has_pending()):
+        """Returns after one pass of the event loop while there is work, so that the last round's
+        answers go out and updates come in before a round that runs on the loop; otherwise waits
+        for an update, counting the time as idle."""
+        if self._dirty or self._slot_ops or self._predrafter.has_pending():
+            await asyncio.sleep(0)
+        else:
             self._metrics.idle.begin()
             try:
                 await self._wake.wait()

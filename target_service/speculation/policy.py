@@ -263,9 +263,9 @@ class SpeculationPolicy:
         come first, so the best set is the first m of them by worth, for the m of the highest rate;
         as alpha_i**j falls with j, each sequence's share of them is its first k_i drafts.
         A draft raises the rate only while its worth exceeds per_token x the rate so far, and once
-        one does not, none after it can (the rate falls, and stays above the worth that lowered
-        it): the drafts are taken by worth, from a heap of each sequence's next, until one does not
-        pay. A paused sequence gets none, but right after an exploring step."""
+        one does not, none after it can (the rate falls, and stays above worth / per_token for the
+        draft that lowered it): the drafts are taken by worth, from a heap of each sequence's next,
+        until one does not pay. A paused sequence gets none, but right after an exploring step."""
         explored = self._steps_to_explore(_EXPLORE_PAUSED_EVERY) == _EXPLORE_PAUSED_EVERY - 1
         available = [0 if record.paused and not explored else most for record, most in zip(records, available)]
         fixed, per_token = self.cost_model()

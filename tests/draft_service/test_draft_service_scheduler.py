@@ -117,6 +117,46 @@ async def test_a_lookup_drafters_rounds_run_on_the_event_loop_unless_they_open_o
     assert all(thread.startswith("drafter") is not inline_rounds for thread in extending)
 
 
+class OutboxNoting(NgramDrafter):
+    """Notes, as each round begins, how many answers wait in the stream's outbox."""
+
+    inline_rounds = True
+
+    def __init__(self):
+        super().__init__(1, 4)
+        self.outbox: asyncio.Queue | None = None
+        self.waiting: list[int] = []
+
+    def draft(self, jobs, stop=never):
+        self.waiting.append(self.outbox.qsize())
+        return super().draft(jobs, stop)
+
+
+async def test_a_rounds_answers_go_out_before_the_next_round_runs_on_the_event_loop():
+    """A lookup round on the loop is followed by its pre-draft rounds; the stream's writer sends the
+    fresh answer first, rather than after the chain."""
+    drafter = OutboxNoting()
+    async with running_scheduler(drafter, DraftMetrics("test"), LIMITS, max_fanout=-1) as scheduler:
+        stream = scheduler.open_stream()
+        drafter.outbox = stream.outbox
+        received = []
+
+        async def write() -> None:
+            while True:
+                received.append(await stream.outbox.get())
+
+        writer = asyncio.create_task(write())
+        scheduler.apply(stream, pb.TargetUpdate(opens=[pb.SequenceOpen(seq_id=1, prompt_ids=PROMPT, k=4,
+                                                                       accepts_assumed=True)]))
+        for step, token in enumerate([3, 4, 1, 2]):
+            await asyncio.sleep(0.05)
+            scheduler.apply(stream, _update(extends=[(1, 6 + step, [token])]))
+        await asyncio.sleep(0.05)
+        writer.cancel()
+    assert any(p.assumed_ids for message in received for p in message.proposals)  # pre-draft rounds ran
+    assert len(drafter.waiting) > 5 and not any(drafter.waiting)
+
+
 async def test_one_target_may_hold_no_more_than_its_quota():
     limits = Limits(vocab_size=100, max_model_len=64, max_k=4, num_slots=3, max_seqs_per_target=2)
     metrics = DraftMetrics("test")
