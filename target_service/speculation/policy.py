@@ -295,9 +295,10 @@ class SpeculationPolicy:
 
         The drafts save about mean accepted x step time when they come, and they come within w with
         the share of the drafter's recent round trips that end within elapsed + w, of those not over
-        yet, and only in the share `drafted` of its answers that carry drafts at all (an answer of
-        nothing saves nothing): the bound is the w that maximizes that expected saving less w, or 0
-        where none gains.
+        yet. `drafted` is the expected share of the step's sequences that the awaited answers bring
+        drafts to: a wait holds up every sequence of the step, while only those awaiting an answer
+        gain, and only from an answer that carries drafts (an answer of nothing saves nothing). The
+        bound is the w that maximizes drafted x that expected saving less w, or 0 where none gains.
         So a drafter whose answers come later than --draft-wait-ms is not waited for at all, and one
         whose answers mostly come at once but sometimes late is waited for as long as they mostly
         take. Until a round trip is measured, the saving itself, at most --draft-wait-ms.
@@ -323,7 +324,7 @@ class SpeculationPolicy:
 
     def wait_deadline(self, now: float, asked_at: float, drafted: float = 1.0) -> float:
         """When a step that starts waiting now for drafts asked for at `asked_at` stops: after the
-        bound, or when patience runs out. drafted: the share of answers with drafts (wait_bound)."""
+        bound, or when patience runs out. drafted: as in wait_bound."""
         deadline = now + self.wait_bound(now - asked_at, drafted)
         if self._unanswered_since is not None:
             deadline = min(deadline, self._unanswered_since + self.patience())

@@ -260,7 +260,9 @@ class Speculator:
         awaiting = [self._states[e.seq.seq_id] for e, budget in zip(plan.entries, budgets, strict=True)
                     if e.awaiting and budget > 0]
         asked_at = max(state.told_at or started for state in awaiting)
-        drafted = max(self.policy.drafted_share(state.record) for state in awaiting)
+        # The wait holds up every sequence of the step; only the awaiting ones, and only where the answer
+        # carries drafts, gain from it: the expected share of the step's sequences that it brings drafts to.
+        drafted = sum(self.policy.drafted_share(state.record) for state in awaiting) / len(plan.entries)
         deadline = self.policy.wait_deadline(started, asked_at, drafted)
         slept = False
         while _awaits(plan, budgets):

@@ -956,6 +956,30 @@ async def test_a_step_waits_only_for_a_drafter_whose_answers_carry_drafts(make, 
         assert waited < 0.2 and not h.verified_drafts(seq)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+async def test_a_wait_is_weighed_against_every_sequence_it_holds_up(make, batch):
+    """The drafter's answers have come 250 ms after each update; a draft saves one step of 0.4 s.
+    A sequence awaiting its answer alone in a step is worth the 0.26 s wait (0.4 s saved); beside a
+    sequence whose drafts are in, it is not: the wait would hold up both, and save one of them 0.4 s."""
+    h = make(draft_wait_ms=1000)
+    awaiting, *others = [h.submit(prompt, max_tokens=len(T)) for prompt in (PROMPT, OTHER_PROMPT)[:batch]]
+    await h.engine.step()
+    policy = h.engine.speculator.policy
+    for _ in range(200):
+        policy.observe_draft_rtt(0.25)
+        policy.observe_step(1, 0.4)
+        policy.observe_verify(1, 2, policy.new_record())
+    for seq in others:
+        h.propose(seq, len(seq.token_ids), CONTINUATIONS[OTHER_PROMPT][1:3])
+    asyncio.get_running_loop().call_later(0.25, h.propose, awaiting, N, T[1:3])
+    waited = await _timed_step(h)
+    if batch == 1:
+        assert waited >= 0.25 and h.verified_drafts(awaiting) == list(T[1:3])
+    else:
+        assert waited < 0.2 and h.verified_drafts(awaiting) == []
+        assert h.verified_drafts(others[0]) == list(CONTINUATIONS[OTHER_PROMPT][1:3])
+
+
 async def test_a_request_to_admit_ends_the_wait_for_drafts(make):
     """Waiting for drafts never delays a prefill."""
     h = make(draft_wait_ms=1000)
