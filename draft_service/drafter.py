@@ -190,9 +190,10 @@ class Drafter(Protocol):
     def close(self, key: SeqKey) -> None:
         """Free what `open` reserved."""
 
-    def settle(self, key: SeqKey, committed: list[int]) -> None:
+    def settle(self, key: SeqKey, committed: list[int], closing: bool = False) -> None:
         """The target committed these tokens (all of them, prompt included): state kept for outcomes
-        that did not happen may go, state drafted for the one that did is kept."""
+        that did not happen may go, state drafted for the one that did is kept. closing: the last
+        settle before `close`, whose kept state serves later sequences, not this one."""
 
     def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Drafted]:
         """Up to each job's k draft tokens, batched; jobs with nothing to propose may be left out.

@@ -401,7 +401,7 @@ class DraftScheduler:
                     self._grammars.open(op.sequence)
                 continue
             try:  # the tokens of its last Extend, which no round drafted from
-                self._drafter.settle(op.key, op.committed)
+                self._drafter.settle(op.key, op.committed, closing=True)
             finally:
                 self._drafter.close(op.key)
         for sequence, committed in work.settled:

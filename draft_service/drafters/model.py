@@ -250,8 +250,10 @@ class ModelDrafter:
     def close(self, key: SeqKey) -> None:
         self.slots.close(key)
 
-    def settle(self, key: SeqKey, committed: list[int]) -> None:
-        self.metrics.reused_tokens.inc(self.slots.settle(key, committed))
+    def settle(self, key: SeqKey, committed: list[int], closing: bool = False) -> None:
+        reused = self.slots.settle(key, committed)
+        if not closing:  # a closing sequence computes nothing more: the slot kept serves the prefix cache
+            self.metrics.reused_tokens.inc(reused)
 
     def behind(self) -> list[SeqKey]:
         """The sequences whose catch-up the last round ran in part or not at all: nothing was drafted

@@ -57,7 +57,7 @@ class NgramDrafter:
     def close(self, key: SeqKey) -> None:
         pass
 
-    def settle(self, key: SeqKey, committed: list[int]) -> None:
+    def settle(self, key: SeqKey, committed: list[int], closing: bool = False) -> None:
         pass
 
     def behind(self) -> list[SeqKey]:

@@ -57,7 +57,7 @@ class SuffixDrafter:
             self.shared.add(output)
             self.shared.drop_oldest(self.cache_tokens)
 
-    def settle(self, key: SeqKey, committed: list[int]) -> None:
+    def settle(self, key: SeqKey, committed: list[int], closing: bool = False) -> None:
         self._sync(key, committed)
 
     def behind(self) -> list[SeqKey]:
@@ -136,9 +136,9 @@ class SuffixFrontDrafter:
         self.suffix.close(key)
         self.model.close(key)
 
-    def settle(self, key: SeqKey, committed: list[int]) -> None:
-        self.suffix.settle(key, committed)
-        self.model.settle(key, committed)
+    def settle(self, key: SeqKey, committed: list[int], closing: bool = False) -> None:
+        self.suffix.settle(key, committed, closing)
+        self.model.settle(key, committed, closing)
 
     def behind(self) -> list[SeqKey]:
         return self.model.behind()

@@ -145,6 +145,20 @@ def test_a_hit_makes_the_outcomes_slot_the_sequences_own_and_drafts_as_a_recompu
     assert after_hit.token_ids == greedy_generate(tiny_draft_model(), committed, K)
 
 
+def test_a_close_keeps_the_outcomes_slot_for_the_prefix_cache_without_counting_it_as_reused():
+    """The sequence's last tokens, settled as it closes, hit a pre-drafted outcome: its slot, holding
+    the most of them, is the one kept, but no KV of this sequence's is spared a recompute."""
+    drafter, prompt = _drafter(), _prompt(11, 2)
+    sequence = _open(drafter, 1, prompt)
+    predrafts = drafter.draft(_all_outcomes(sequence, _fresh(drafter, sequence, prompt)))
+    committed = prompt + predrafts[1].assumed_ids
+    [scratch] = [s.slot for s in drafter.slots.scratch(sequence.key) if s.cached[: len(committed)] == committed]
+    reused = _reused(drafter.metrics)
+    drafter.settle(sequence.key, committed, closing=True)
+    assert drafter.slots.own(sequence.key).slot == scratch
+    assert _reused(drafter.metrics) == reused
+
+
 def test_outcomes_without_a_free_slot_are_left_out_and_an_open_takes_a_scratch_slot():
     drafter, prompt = _drafter(num_slots=3), _prompt(9, 3)
     sequence = _open(drafter, 1, prompt)
