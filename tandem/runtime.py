@@ -20,8 +20,9 @@ from tandem.quantization import keeps_blocks, quantize
 from tandem.registry import resolve_model_path
 from tandem.tokenizer import Tokenizer
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+# --dtype: the KV cache's names, and their short forms
+_DTYPES = {**{name: dtype for name, dtype in KV_CACHE_DTYPES.items() if dtype is not None},
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(slots=True)
