@@ -14,7 +14,8 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "KV_CACHE_DTYPES", "PAGE_SIZE", "CacheFullError
 
 PAGE_SIZE = 16  # positions per page: what every attention path reads a block table in; the native decoder's K pages
 DEFAULT_BLOCK_SIZE = 16  # positions per KV block, as in vLLM: a multiple of PAGE_SIZE (--block-size)
-# --kv-cache-dtype; auto (None): build_model's choice
+# --kv-cache-dtype; auto (None): build_model's choice. --dtype takes these names too (runtime._DTYPES):
+# a type only a cache can hold (fp8, say) needs --dtype's table to leave it out.
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KV_CACHE_DTYPE_HELP = ("auto, bfloat16, float16 or float32: the KV cache's element type (auto: --dtype, but "
                        "float16 for bfloat16 when a GGUF runs in its own block types on the native CPU decoder, "
