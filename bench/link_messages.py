@@ -28,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from tandem.launch import free_port
+from tandem.launch import cpu_seconds, free_port
 from tandem.v1 import drafter_pb2, drafter_pb2_grpc
 
 WARM_PAIRS = 50
@@ -50,13 +50,9 @@ async def _serve(port: int) -> None:
     await server.wait_for_termination()
 
 
-def _thread_ticks() -> dict[int, int]:
-    """CPU clock ticks of each of this process's threads, by thread id."""
-    ticks = {}
-    for task in Path("/proc/self/task").iterdir():
-        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        ticks[int(task.name)] = int(fields[11]) + int(fields[12])
-    return ticks
+def _thread_seconds() -> dict[int, float]:
+    """CPU seconds of each of this process's threads, by thread id."""
+    return {int(task.name): cpu_seconds("self", int(task.name)) for task in Path("/proc/self/task").iterdir()}
 
 
 async def _measure(port: int, pairs: int) -> dict[str, float]:
@@ -67,14 +63,14 @@ async def _measure(port: int, pairs: int) -> dict[str, float]:
             await call.write(UPDATE)
             await call.read()
         loop_thread = threading.get_native_id()
-        before, began = _thread_ticks(), time.perf_counter()
+        before, began = _thread_seconds(), time.perf_counter()
         for _ in range(pairs):
             await call.write(UPDATE)
             await call.read()
-        wall, after = time.perf_counter() - began, _thread_ticks()
+        wall, after = time.perf_counter() - began, _thread_seconds()
         call.cancel()
-    per_pair = 1e6 / os.sysconf("SC_CLK_TCK") / pairs  # µs per tick, per pair
-    spent = {tid: ticks - before.get(tid, 0) for tid, ticks in after.items()}
+    per_pair = 1e6 / pairs  # µs per pair, per second
+    spent = {tid: seconds - before.get(tid, 0.0) for tid, seconds in after.items()}
     loop = spent.get(loop_thread, 0) * per_pair
     return {"event_loop_us": loop, "other_threads_us": sum(spent.values()) * per_pair - loop,
             "round_trip_us": wall / pairs * 1e6}

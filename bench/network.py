@@ -44,7 +44,7 @@ from bench.prompt_set import KINDS, Prompt, load_prompts
 from bench.scrape import counters, delta
 from bench.serve import DRAFTERS, EAGLE3, eagle3_drafter_flags
 from tandem.client import generate
-from tandem.launch import ServiceProcess
+from tandem.launch import ServiceProcess, cpu_seconds
 from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from tandem.v1 import generation_pb2_grpc
 
@@ -92,12 +92,6 @@ class NetworkCell:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of a live process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def run_group(address: str, prompts: list[Prompt], max_tokens: int) -> tuple[float, list]:

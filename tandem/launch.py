@@ -31,6 +31,14 @@ PORT_RANGE = range(20000, 32768)
 _ports = random.SystemRandom()  # not the global generator, which a test may seed alike in every worker
 
 
+def cpu_seconds(pid: int | str = "self", thread: int | None = None) -> float:
+    """User plus system CPU time so far of a live process (all its threads), or of one of its
+    threads, from Linux's /proc."""
+    path = Path(f"/proc/{pid}") if thread is None else Path(f"/proc/{pid}/task/{thread}")
+    fields = (path / "stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     """A loopback port free now, outside the ephemeral range, never handed out before by this process.
     Chosen at random, so that processes picking ports at once (test workers) rarely pick the same."""

@@ -7,18 +7,12 @@ import time
 import pytest
 
 from tests.support.service_fixtures import greedy_request, run_requests
-from tandem.launch import ServiceProcess
+from tandem.launch import ServiceProcess, cpu_seconds
 
 # CPU seconds the whole process may use while idle over the window: the gRPC and metrics threads'
 # housekeeping only. A spinning thread would use about the window itself.
 IDLE_WINDOW_SECONDS = 2.0
 IDLE_CPU_SECONDS = 0.1
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system time of every thread of the process so far."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
