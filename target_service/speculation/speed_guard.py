@@ -9,12 +9,18 @@ without, and holds a sequence off wherever its speculation loses.
 Measured, per step (a decode or verify step's whole cycle, waits and publishing included, prompts'
 prefills excluded):
   - t_on(B), t_off(B): the seconds of a step of B sequences with speculation on (any sequence may
-    verify drafts) and off (none may, and the drafter was asked for nothing), moving averages;
+    verify drafts) and off (none may, and the drafter was asked for nothing);
   - m_i: sequence i's tokens per step while it speculates, drawn towards the recent sequences' mean
     while it has few steps of its own.
 Speculating pays for sequence i while m_i / t_on(B) > 1 / t_off(B), that is m_i > c = t_on / t_off:
 its speculation adds more tokens per step than the step's extra time is worth. Below c (1 - MARGIN)
 the guard holds it off; above c (1 + MARGIN) it lets it speculate again.
+
+c is measured from steps next to each other in time, not from two averages over different spans: a
+step's time drifts with the machine (a shared host's speed moves by 15% within seconds) and with
+the contexts (a long prompt's steps are slower), and off steps come only in windows, long apart.
+So each exploring window's steps are compared with the last BEFORE_STEPS steps of the other kind
+just before it, at the same batch size, and c is the running mean of those ratios.
 
 Each kind of step needs measuring while the other is the rule, so exploring windows of
 WINDOW_STEPS steps interrupt the rule: an off window (no sequence speculates) while some speculate,
@@ -32,9 +38,15 @@ drafter asked for none finishes its round first.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import TypeVar
 
+T = TypeVar("T")
 WINDOW_STEPS = 8  # measured steps per exploring window
+BEFORE_STEPS = 16  # steps of the rule before a window that its steps are compared with: the rule's steps
+# vary more than a window's (waits, verifies of any length); the older they are, the more the machine drifted
 EXPLORE_PERIOD = 64  # steps between exploring windows near break-even
 MAX_PERIOD_FACTOR = 4  # windows up to this many times rarer when the speed-up is clearly above or below 1
 CONFIDENT_LOG_RATIO = 0.05  # |log speed-up| per factor of the period
@@ -46,21 +58,22 @@ PRIOR_STEPS = 4.0  # a sequence's tokens per step start as the recent sequences'
 MAX_LEAD = 8  # steps ahead that drafts are asked for before an on window, at most
 _SETTLE_STEPS = 2  # steps of a mode before its steps are measured: drafts asked take a step to come
 _SMOOTHING = 0.05  # weight of the newest step in the step-time averages and the prior
+_RATIO_SMOOTHING = 0.25  # weight of the newest window's ratio in c: about the last four windows
 _SEQUENCE_KEEP = 1 - 1 / 32  # a sequence's own tokens per step weigh its last ~32 speculating steps
 
 
 class _Average:
-    """The mean of the first 1 / _SMOOTHING samples, then an exponentially weighted one: a few
+    """The mean of the first 1 / smoothing samples, then an exponentially weighted one: a few
     samples weigh alike, and old ones fade."""
 
-    __slots__ = ("value", "count")
+    __slots__ = ("value", "count", "smoothing")
 
-    def __init__(self) -> None:
-        self.value, self.count = 0.0, 0
+    def __init__(self, smoothing: float = _SMOOTHING) -> None:
+        self.value, self.count, self.smoothing = 0.0, 0, smoothing
 
     def add(self, x: float) -> None:
         self.count += 1
-        self.value += max(_SMOOTHING, 1 / self.count) * (x - self.value)
+        self.value += max(self.smoothing, 1 / self.count) * (x - self.value)
 
 
 @dataclass(slots=True)
@@ -97,6 +110,7 @@ class _Window:
     start: int  # its first step, after the lead
     end: int  # one past its last step
     lead: int  # steps before start in which drafts are asked for ahead of the window
+    times: dict[int, list[float]] = field(default_factory=dict)  # its measured steps' seconds, by batch size
 
     def leading(self, step: int) -> bool:
         """The step runs while drafts are asked for ahead of the window: neither mode's steady state."""
@@ -118,7 +132,8 @@ class GuardFigures:
 class SpeedGuard:
     def __init__(self) -> None:
         self._step = 0  # steps observed
-        self._times: dict[bool, dict[int, _Average]] = {True: {}, False: {}}  # on/off -> batch size -> seconds
+        self._recent: dict[bool, dict[int, deque[float]]] = {True: {}, False: {}}  # on/off -> batch size -> last steps' seconds
+        self._ratios: dict[int, _Average] = {}  # batch size -> t_on / t_off, from windows and the steps before them
         self._prior = _Average()  # tokens per speculating step, over recent sequences' steps
         self._speedup = _Average()  # realized tokens per step / tokens the target alone would have made
         self._window: _Window | None = None
@@ -154,7 +169,8 @@ class SpeedGuard:
         Its measurements are forgotten, and the running sequences get a trial again, which no window
         overdue from the time without a drafter interrupts: the next comes a period on. Its first
         steps settle before they are measured, as after any change of mode."""
-        self._times[True].clear()
+        self._recent[True].clear()
+        self._ratios.clear()
         self._window, self._next_window = None, self._step + EXPLORE_PERIOD
         self._prior, self._speedup = _Average(), _Average()
         self._modes = []
@@ -179,6 +195,7 @@ class SpeedGuard:
         speculates and on while any is held off, alternating when both. An on window starts after
         `lead` steps, so that its first steps find the drafts they asked for."""
         if self._window is not None and self._step >= self._window.end:
+            self._add_ratios(self._window)
             self._window = None
             self._next_window = self._step + self._period()
         if self._window is not None:
@@ -186,8 +203,8 @@ class SpeedGuard:
         speculating = any(r.trial or not r.held_off for r in records)
         held = any(r.held_off and not r.trial for r in records)
         batch = len(records)
-        unmeasured_off = speculating and self._closest(False, batch) is None
-        unmeasured_on = held and self._closest(True, batch) is None
+        unmeasured_off = speculating and self.cost_ratio(batch) is None
+        unmeasured_on = held and self.cost_ratio(batch) is None
         if not (unmeasured_off or unmeasured_on) and (self._step < self._next_window or not (speculating or held)):
             self._due_since = None
             return
@@ -235,23 +252,28 @@ class SpeedGuard:
         self._step += 1
         if settled and step.seconds > 0:
             batch = len(step.records)
-            self._times[on].setdefault(batch, _Average()).add(step.seconds)
+            self._recent[on].setdefault(batch, deque(maxlen=BEFORE_STEPS)).append(step.seconds)
+            window = self._window
+            if window is not None and window.on == on and window.start <= self._step - 1 < window.end:
+                window.times.setdefault(batch, []).append(step.seconds)
             if on:
                 self._observe_on(step, batch)
         for record, speculating in zip(step.records, step.speculating, strict=True):
             record.last_on = speculating
 
     def _observe_on(self, step: StepResult, batch: int) -> None:
-        off = self._closest(False, batch)
-        if off is not None:
-            alone = step.seconds * batch / off  # tokens the target alone would have made in this time
+        cost = self.cost_ratio(batch)
+        if cost is not None:
+            # tokens the target alone would have made in this time: the recent on steps' time over c
+            # is what an off step takes now
+            on = _mean(self._closest(self._recent[True], batch))
+            alone = step.seconds * batch * cost / on
             made = sum(step.tokens)
             self._speedup.add(made / alone)
             if made >= alone:
                 self.figures.gained += made - alone
             else:
                 self.figures.lost += alone - made
-        cost = self.cost_ratio(batch)
         for record, speculating, tokens in zip(step.records, step.speculating, step.tokens, strict=True):
             if not (speculating and record.last_on):
                 continue
@@ -273,13 +295,27 @@ class SpeedGuard:
             self.figures.releases += 1
 
     def cost_ratio(self, batch: int) -> float | None:
-        """t_on / t_off for a batch of this size (or the closest measured); None until both are measured."""
-        on, off = self._closest(True, batch), self._closest(False, batch)
-        return None if on is None or off is None else on / off
+        """t_on / t_off for a batch of this size (or the closest measured); None until a window has
+        measured it."""
+        ratio = self._closest(self._ratios, batch)
+        return None if ratio is None else ratio.value
 
-    def _closest(self, on: bool, batch: int) -> float | None:
-        """The mean step time of this kind at `batch` sequences, or at the closest batch size measured
-        within a quarter of it (at least one); None when there is none."""
-        times = self._times[on]
-        near = [b for b in times if abs(b - batch) <= max(1, batch // 4)]
-        return times[min(near, key=lambda b: (abs(b - batch), b))].value if near else None
+    def _add_ratios(self, window: _Window) -> None:
+        """A window ended: its steps against the other kind's just before it, at each batch size it
+        measured. Steps next to each other in time see the same machine and about the same contexts."""
+        for batch, times in window.times.items():
+            before = self._recent[not window.on].get(batch)
+            if before:
+                on, off = (times, before) if window.on else (before, times)
+                self._ratios.setdefault(batch, _Average(_RATIO_SMOOTHING)).add(_mean(on) / _mean(off))
+
+    @staticmethod
+    def _closest(by_batch: dict[int, T], batch: int) -> T | None:
+        """The entry at `batch` sequences, or at the closest batch size measured within a quarter of
+        it (at least one); None when there is none."""
+        near = [b for b in by_batch if abs(b - batch) <= max(1, batch // 4)]
+        return by_batch[min(near, key=lambda b: (abs(b - batch), b))] if near else None
+
+
+def _mean(values: Collection[float]) -> float:
+    return sum(values) / len(values)

@@ -2,7 +2,10 @@
 every decision follows from measured rates, never from this machine's speed."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import pytest
 
 from target_service.config import TargetConfig
 from target_service.speculation.policy import SpeculationPolicy
@@ -29,13 +32,14 @@ class Trace:
 
 
 def run(guard: SpeedGuard, records: list[GuardRecord], behaviours: list[Behaviour], steps: int,
-        lead: int = 1) -> Trace:
-    """Each step: the guard says who may speculate; those make their tokens and add their time."""
+        lead: int = 1, pace: Callable[[int], float] = lambda step: 1.0) -> Trace:
+    """Each step: the guard says who may speculate; those make their tokens and add their time.
+    pace(step): how much slower than usual the machine runs that step (the same for either kind)."""
     trace = Trace([], [])
-    for _ in range(steps):
+    for step in range(steps):
         allowed = guard.allowed(records)
         tokens = [b.tokens if ok else 1 for b, ok in zip(behaviours, allowed)]
-        seconds = DECODE + sum(b.extra for b, ok in zip(behaviours, allowed) if ok)
+        seconds = pace(step) * (DECODE + sum(b.extra for b, ok in zip(behaviours, allowed) if ok))
         guard.observe(StepResult(records, allowed, tokens, seconds))
         trace.allowed.append(allowed)
         trace.wanted.append(guard.wanted(records, [4] * len(records), lead))
@@ -222,3 +226,28 @@ def test_an_off_window_waits_for_a_new_sequences_trial():
     first_off = allowed.index(False)
     assert all(allowed[:first_off]) and first_off >= TRIAL_STEPS + 2, f"an off window at step {first_off}"
     assert not all(allowed), "the off window came once the trial was done"
+
+
+SLIGHT_LOSS = Behaviour(tokens=1, extra=0.002)  # speculating adds a tenth to the step and no token
+SLIGHT_GAIN = Behaviour(tokens=3, extra=0.036)  # three tokens for 2.8 steps' time
+
+
+def test_a_machine_that_speeds_up_does_not_pass_for_a_gain():
+    """The steps get faster all along (a shared host's load falls, the long prompts' sequences give
+    way to short chats): off steps measured in a window long ago were slower than any step now.
+    Compared with those, speculation that loses a tenth would look like a gain."""
+    guard = SpeedGuard()
+    record = GuardRecord()
+    steps = 12 * EXPLORE_PERIOD
+    run(guard, [record], [SLIGHT_LOSS], steps, pace=lambda step: 2.0 - step / steps)
+    assert record.held_off
+    assert guard.cost_ratio(1) == pytest.approx(1.1, rel=0.02)
+
+
+def test_a_machine_that_slows_down_does_not_pass_for_a_loss():
+    guard = SpeedGuard()
+    record = GuardRecord()
+    steps = 12 * EXPLORE_PERIOD
+    run(guard, [record], [SLIGHT_GAIN], steps, pace=lambda step: 1.0 + step / steps)
+    assert not record.held_off and guard.figures.holds == 0
+    assert guard.cost_ratio(1) == pytest.approx(2.8, rel=0.02)
