@@ -15,7 +15,9 @@ on CPU 0 and the drafters, proxies and this driver on the other CPUs, as if the 
 machine of its own (the memory bus stays shared).
 
 Per phase, kind, concurrency and configuration it reports: tokens/s and its ratio to the target
-alone of the same phase; the mean of each stream's decode rate (tokens after its first, per second
+alone of the same phase; the paired ratio, each group against alone's run of it beside it (the
+geometric mean, with the range twice its standard error gives: what the machine's drift over the
+run leaves of a cell); the mean of each stream's decode rate (tokens after its first, per second
 after it: what speculation speeds up, free of the prefills' spread) against alone's; MAL (tokens
 per verify step with drafts), TTFT p50 and its ratio, the mean draft round trip the target measured, time waited for drafts per decode step, the shares of
 steps that missed drafts or salvaged stale ones, dropped stale proposals, the tokens the speed
@@ -43,6 +45,7 @@ from bench.load import build_request
 from bench.prompt_set import KINDS, Prompt, load_prompts
 from bench.scrape import counters, delta
 from bench.serve import DRAFTERS, EAGLE3, eagle3_drafter_flags
+from bench.stats import paired_ratio
 from tandem.client import generate
 from tandem.launch import ServiceProcess, cpu_seconds
 from tandem.registry import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
@@ -86,6 +89,7 @@ class NetworkCell:
     seconds: float = 0.0
     ttfts: list[float] = field(default_factory=list)
     decode_rates: list[float] = field(default_factory=list)  # each request's tokens/s after its first token
+    group_rates: list[float] = field(default_factory=list)  # each group's tokens/s, in the order driven
     outputs: dict[str, list[int]] = field(default_factory=dict)  # by prompt id
     counters: dict[str, float] = field(default_factory=dict)
 
@@ -200,6 +204,7 @@ def drive(link: str, kind: str, concurrency: int, services: list[Service], batch
             after = counters(service.target.metrics_url)
             cell.seconds += seconds
             cell.tokens += sum(len(r.token_ids) for r in results)
+            cell.group_rates.append(sum(len(r.token_ids) for r in results) / seconds)
             cell.ttfts += [r.ttft for r in results]
             cell.decode_rates += [r.decode_tokens_per_second for r in results if len(r.token_ids) > 1]
             cell.outputs.update({p.id: r.token_ids for p, r in zip(batch, results)})
@@ -218,6 +223,9 @@ def row(cell: NetworkCell, alone: NetworkCell, cpu: dict[str, float]) -> dict:
     return {
         "phase": cell.phase, "kind": cell.kind, "concurrency": cell.concurrency, "config": cell.config,
         "tok_s": cell.tok_s, "vs_alone": cell.tok_s / alone.tok_s,
+        # Group by group against alone's run of the same prompts just before or after: free of the drift
+        # over the run; (geometric mean, twice its standard error as a factor).
+        "paired_vs_alone": paired_ratio(cell.group_rates, alone.group_rates),
         # What speculation speeds up, without the prefills' run-to-run spread: a stream's rate after its first token.
         "decode_vs_alone": (statistics.mean(cell.decode_rates) / statistics.mean(alone.decode_rates)
                             if cell.decode_rates and alone.decode_rates else None),
@@ -244,16 +252,25 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _paired(paired: tuple[float, float] | None) -> str:
+    """1.05 (0.99-1.11): the paired ratio and the range its spread gives."""
+    if paired is None:
+        return "-"
+    mean, spread = paired
+    return f"{mean:.2f} ({mean / spread:.2f}-{mean * spread:.2f})"
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| link | kind | c | config | tok/s | ÷ alone | stream decode ÷ alone | MAL | TTFT p50 ms (÷ alone) "
-             "| draft RTT ms | wait ms/step | missed | salvaged | dropped | guard: net tokens | identical "
-             "| CPU s target / draft / proxy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| link | kind | c | config | tok/s | ÷ alone | paired ÷ alone (±2 SE range) | stream decode ÷ alone | MAL "
+             "| TTFT p50 ms (÷ alone) | draft RTT ms | wait ms/step | missed | salvaged | dropped | guard: net tokens "
+             "| identical | CPU s target / draft / proxy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cpu = " / ".join(_fmt(r["cpu_s"].get(role), ".1f") for role in ("target", "draft", "proxy"))
         lines.append(
             f"| {r['phase']} | {r['kind']} | {r['concurrency']} | {r['config']} | {r['tok_s']:.1f} | "
-            f"{r['vs_alone']:.2f} | {_fmt(r['decode_vs_alone'], '.2f')} | {_fmt(r['mal'], '.2f')} | "
+            f"{r['vs_alone']:.2f} | {_paired(r['paired_vs_alone'])} | {_fmt(r['decode_vs_alone'], '.2f')} | "
+            f"{_fmt(r['mal'], '.2f')} | "
             f"{r['ttft_p50_ms']:.0f} ({r['ttft_vs_alone']:.2f}) | "
             f"{_fmt(r['draft_rtt_ms'], '.1f')} | {_fmt(r['wait_ms_per_step'], '.2f')} | {_fmt(r['missed'], '.0%')} | "
             f"{_fmt(r['salvaged'], '.0%')} | {r['dropped']} | {r['guard_net_tokens']:+.0f} | "

@@ -59,3 +59,16 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def paired_ratio(values: list[float], references: list[float]) -> tuple[float, float] | None:
+    """The geometric mean of values[i] / references[i], measured side by side (the same prompts, one
+    after the other), and its spread: twice the standard error of the mean log ratio, as a factor
+    (the ratio is likely within mean / spread .. mean x spread). None with fewer than two pairs.
+    Pairs cancel the machine's drift that one total over a run of minutes keeps."""
+    if len(values) != len(references) or len(values) < 2:
+        return None
+    logs = [math.log(v / r) for v, r in zip(values, references, strict=True)]
+    mean = sum(logs) / len(logs)
+    spread = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1) / len(logs))
+    return math.exp(mean), math.exp(2 * spread)

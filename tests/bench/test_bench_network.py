@@ -1,6 +1,7 @@
 """bench.network's rows: the ratios a configuration is judged by, from what its requests did."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -10,28 +11,31 @@ from pathlib import Path
 import pytest
 
 from bench import network
+from bench.stats import paired_ratio
 from bench.scrape import COUNTERS
 from tandem.launch import ServiceProcess
 
 
-def _cell(config: str, seconds: float, ttfts: list[float], decode_rates: list[float], **counters: float) -> network.NetworkCell:
+def _cell(config: str, seconds: float, ttfts: list[float], decode_rates: list[float], group_rates: list[float],
+          **counters: float) -> network.NetworkCell:
     cell = network.NetworkCell(network.LOOPBACK, "rewrite", 8, config, tokens=200, seconds=seconds, ttfts=ttfts,
-                        decode_rates=decode_rates, outputs={"a": [1, 2], "b": [3]})
+                               decode_rates=decode_rates, group_rates=group_rates, outputs={"a": [1, 2], "b": [3]})
     cell.counters = {name: 0.0 for name in COUNTERS} | counters
     return cell
 
 
 def test_a_row_sets_the_streams_decode_rate_apart_from_the_groups_wall_time():
-    alone = _cell(network.ALONE, 10.0, [1.0, 3.0], [20.0, 30.0])
+    alone = _cell(network.ALONE, 10.0, [1.0, 3.0], [20.0, 30.0], [25.0, 15.0])
     # Slower prefills made the group's wall time longer, while each stream decoded faster.
-    pair = _cell("suffix", 12.5, [2.0, 4.0], [30.0, 30.0], drafts=10, accepted_tokens=12,
+    pair = _cell("suffix", 12.5, [2.0, 4.0], [30.0, 30.0], [20.0, 12.0], drafts=10, accepted_tokens=12,
                  step_decode_count=20, step_decode_sum=0.1, step_verify_count=10, step_verify_sum=0.09)
     row = network.row(pair, alone, {"target": 1.0})
     assert row["vs_alone"] == pytest.approx(0.8)
     assert row["decode_vs_alone"] == pytest.approx(1.2)
     assert row["ttft_vs_alone"] == pytest.approx(1.5)
     assert row["mal"] == pytest.approx(2.2)
-    assert "| 0.80 | 1.20 | 2.20 |" in network.markdown([row])
+    assert row["paired_vs_alone"] == (pytest.approx(0.8), pytest.approx(1.0))  # each group at 0.8: no spread
+    assert "| 0.80 | 0.80 (0.80-0.80) | 1.20 | 2.20 |" in network.markdown([row])
     assert row["steps"]["decode"] == {"count": 20, "mean_ms": pytest.approx(5.0)}
     assert row["steps"]["verify"] == {"count": 10, "mean_ms": pytest.approx(9.0)}
     assert row["steps"]["prefill"] == {"count": 0, "mean_ms": None}
@@ -72,3 +76,12 @@ def test_pin_puts_every_thread_of_a_target_on_its_cpu_and_of_a_drafter_on_the_ot
         for process in processes.values():
             process.kill()
             process.wait()
+
+
+def test_the_paired_ratio_is_the_geometric_mean_of_each_group_against_alone_beside_it():
+    """The machine ran twice as fast in the second half: each group is compared with alone's beside it."""
+    ratio, spread = paired_ratio([11.0, 12.0, 22.0, 24.0], [10.0, 10.0, 20.0, 20.0])
+    assert ratio == pytest.approx(math.sqrt(1.1 * 1.2))
+    # log ratios a, b, a, b: standard deviation (b - a) / sqrt(3), standard error half that; spread e^(2 SE)
+    assert spread == pytest.approx(math.exp(2 * math.log(1.2 / 1.1) / math.sqrt(3) / 2))
+    assert paired_ratio([1.0], [1.0]) is None  # one pair has no spread
