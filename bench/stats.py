@@ -64,10 +64,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def paired_ratio(values: list[float], references: list[float]) -> tuple[float, float] | None:
     """The geometric mean of values[i] / references[i], measured side by side (the same prompts, one
     after the other), and its spread: twice the standard error of the mean log ratio, as a factor
-    (the ratio is likely within mean / spread .. mean x spread). None with fewer than two pairs.
+    (the ratio is likely within mean / spread .. mean x spread; with a handful of pairs, less
+    likely than the 95% of a normal law). None with fewer than two pairs.
     Pairs cancel the machine's drift that one total over a run of minutes keeps."""
-    if len(values) != len(references) or len(values) < 2:
-        return None
+    if len(values) != len(references) or len(values) < 2 or min(*values, *references) <= 0:
+        return None  # a group that made nothing has no ratio
     logs = [math.log(v / r) for v, r in zip(values, references, strict=True)]
     mean = sum(logs) / len(logs)
     spread = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1) / len(logs))

@@ -47,6 +47,8 @@ T = TypeVar("T")
 WINDOW_STEPS = 8  # measured steps per exploring window
 BEFORE_STEPS = 16  # steps of the rule before a window that its steps are compared with: the rule's steps
 # vary more than a window's (waits, verifies of any length); the older they are, the more the machine drifted
+MIN_BEFORE_STEPS = 4  # fewer of them within RECENT_STEPS make no ratio; a batch size's first window waits for them
+RECENT_STEPS = 2 * BEFORE_STEPS  # how far back a step still counts as next to a window (or to an on step)
 EXPLORE_PERIOD = 64  # steps between exploring windows near break-even
 MAX_PERIOD_FACTOR = 4  # windows up to this many times rarer when the speed-up is clearly above or below 1
 CONFIDENT_LOG_RATIO = 0.05  # |log speed-up| per factor of the period
@@ -132,7 +134,8 @@ class GuardFigures:
 class SpeedGuard:
     def __init__(self) -> None:
         self._step = 0  # steps observed
-        self._recent: dict[bool, dict[int, deque[float]]] = {True: {}, False: {}}  # on/off -> batch size -> last steps' seconds
+        # on/off -> batch size -> the last steps: (the step, its seconds)
+        self._recent: dict[bool, dict[int, deque[tuple[int, float]]]] = {True: {}, False: {}}
         self._ratios: dict[int, _Average] = {}  # batch size -> t_on / t_off, from windows and the steps before them
         self._prior = _Average()  # tokens per speculating step, over recent sequences' steps
         self._speedup = _Average()  # realized tokens per step / tokens the target alone would have made
@@ -167,8 +170,9 @@ class SpeedGuard:
     def new_drafter(self, records: list[GuardRecord]) -> None:
         """A drafter (re)connected: what speculating cost with the last one says nothing of this one.
         Its measurements are forgotten, and the running sequences get a trial again, which no window
-        overdue from the time without a drafter interrupts: the next comes a period on. Its first
-        steps settle before they are measured, as after any change of mode."""
+        overdue from the time without a drafter interrupts: the first window, which measures c afresh,
+        comes once the trials end. Its first steps settle before they are measured, as after any
+        change of mode."""
         self._recent[True].clear()
         self._ratios.clear()
         self._window, self._next_window = None, self._step + EXPLORE_PERIOD
@@ -203,8 +207,8 @@ class SpeedGuard:
         speculating = any(r.trial or not r.held_off for r in records)
         held = any(r.held_off and not r.trial for r in records)
         batch = len(records)
-        unmeasured_off = speculating and self.cost_ratio(batch) is None
-        unmeasured_on = held and self.cost_ratio(batch) is None
+        unmeasured_off = speculating and self._unmeasured(batch, before=True)
+        unmeasured_on = held and self._unmeasured(batch, before=False)
         if not (unmeasured_off or unmeasured_on) and (self._step < self._next_window or not (speculating or held)):
             self._due_since = None
             return
@@ -219,6 +223,11 @@ class SpeedGuard:
             self.figures.on_windows += 1
         else:
             self.figures.off_windows += 1
+
+    def _unmeasured(self, batch: int, before: bool) -> bool:
+        """No c at this batch size yet, and enough steps of the kind `before` (the rule) to compare a
+        window with: without them the window would measure nothing, and the next come at once, for good."""
+        return self.cost_ratio(batch) is None and len(self._recent_times(before, batch, self._step)) >= MIN_BEFORE_STEPS
 
     def _trial_running(self, records: list[GuardRecord]) -> bool:
         """A sequence is on its trial, which an off window would interrupt (a request that copies its
@@ -252,7 +261,7 @@ class SpeedGuard:
         self._step += 1
         if settled and step.seconds > 0:
             batch = len(step.records)
-            self._recent[on].setdefault(batch, deque(maxlen=BEFORE_STEPS)).append(step.seconds)
+            self._recent[on].setdefault(batch, deque(maxlen=BEFORE_STEPS)).append((self._step - 1, step.seconds))
             window = self._window
             if window is not None and window.on == on and window.start <= self._step - 1 < window.end:
                 window.times.setdefault(batch, []).append(step.seconds)
@@ -266,7 +275,7 @@ class SpeedGuard:
         if cost is not None:
             # tokens the target alone would have made in this time: the recent on steps' time over c
             # is what an off step takes now
-            on = _mean(self._closest(self._recent[True], batch))
+            on = _mean(self._recent_times(True, batch, self._step))
             alone = step.seconds * batch * cost / on
             made = sum(step.tokens)
             self._speedup.add(made / alone)
@@ -304,10 +313,16 @@ class SpeedGuard:
         """A window ended: its steps against the other kind's just before it, at each batch size it
         measured. Steps next to each other in time see the same machine and about the same contexts."""
         for batch, times in window.times.items():
-            before = self._recent[not window.on].get(batch)
-            if before:
+            before = self._recent_times(not window.on, batch, window.start - window.lead)
+            if len(before) >= MIN_BEFORE_STEPS:
                 on, off = (times, before) if window.on else (before, times)
                 self._ratios.setdefault(batch, _Average(_RATIO_SMOOTHING)).add(_mean(on) / _mean(off))
+
+    def _recent_times(self, on: bool, batch: int, until: int) -> list[float]:
+        """The seconds of the last steps of this kind at this batch size, of those within RECENT_STEPS
+        before step `until`: in a mixed batch an on window's rule is on, and the off steps at hand are
+        the last off window's, long before."""
+        return [seconds for step, seconds in self._recent[on].get(batch, ()) if until - RECENT_STEPS <= step]
 
     @staticmethod
     def _closest(by_batch: dict[int, T], batch: int) -> T | None:

@@ -179,11 +179,11 @@ def test_in_a_batch_the_copying_request_speculates_while_the_chats_are_held_off(
 def test_step_times_are_compared_at_the_same_batch_size():
     guard = SpeedGuard()
     one, eight = GuardRecord(), [GuardRecord() for _ in range(8)]
-    for _ in range(4):
-        guard.observe(StepResult([one], [False], [1], 0.02))
-    for _ in range(4):
+    run(guard, [one], [PAYS], 2 * EXPLORE_PERIOD)
+    assert guard.cost_ratio(1) == pytest.approx(1.4)
+    for _ in range(WINDOW_STEPS):
         guard.observe(StepResult(eight, [True] * 8, [1] * 8, 0.08))
-    assert guard.cost_ratio(1) is None and guard.cost_ratio(8) is None  # each size has only one kind
+    assert guard.cost_ratio(8) is None  # 1's steps say nothing of 8's, and 8 has no window yet
 
 
 def test_a_new_drafter_is_measured_afresh_and_every_running_sequence_gets_a_trial():
@@ -251,3 +251,16 @@ def test_a_machine_that_slows_down_does_not_pass_for_a_loss():
     run(guard, [record], [SLIGHT_GAIN], steps, pace=lambda step: 1.0 + step / steps)
     assert not record.held_off and guard.figures.holds == 0
     assert guard.cost_ratio(1) == pytest.approx(2.8, rel=0.02)
+
+
+def test_a_batch_size_first_seen_right_after_a_change_of_mode_still_speculates():
+    """Its first steps are not measured, so a window at once would have no steps of the rule before it
+    to compare with: it would measure nothing, and the next would come at once, window after window."""
+    guard = SpeedGuard()
+    records = [GuardRecord() for _ in range(8)]
+    pays_in_a_batch = Behaviour(tokens=3, extra=0.002)
+    run(guard, records, [pays_in_a_batch] * 8, 4 * EXPLORE_PERIOD)
+    guard.observe(StepResult(records, [False] * 8, [1] * 8, DECODE))  # a step without speculation
+    trace = run(guard, records[:4], [pays_in_a_batch] * 4, 2 * EXPLORE_PERIOD)  # half of them finished
+    assert guard.cost_ratio(4) == pytest.approx(1.4, rel=0.02)
+    assert sum(all(allowed) for allowed in trace.allowed) > 1.5 * EXPLORE_PERIOD
