@@ -202,9 +202,10 @@ def drive(link: str, kind: str, concurrency: int, services: list[Service], batch
             before = counters(service.target.metrics_url)
             seconds, results = asyncio.run(run_group(service.target.address, batch, max_tokens))
             after = counters(service.target.metrics_url)
+            tokens = sum(len(r.token_ids) for r in results)
             cell.seconds += seconds
-            cell.tokens += sum(len(r.token_ids) for r in results)
-            cell.group_rates.append(sum(len(r.token_ids) for r in results) / seconds)
+            cell.tokens += tokens
+            cell.group_rates.append(tokens / seconds)
             cell.ttfts += [r.ttft for r in results]
             cell.decode_rates += [r.decode_tokens_per_second for r in results if len(r.token_ids) > 1]
             cell.outputs.update({p.id: r.token_ids for p, r in zip(batch, results)})

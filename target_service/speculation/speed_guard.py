@@ -40,10 +40,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass
 
-T = TypeVar("T")
 WINDOW_STEPS = 8  # measured steps per exploring window
 BEFORE_STEPS = 16  # steps of the rule before a window that its steps are compared with: the rule's steps
 # vary more than a window's (waits, verifies of any length); the older they are, the more the machine drifted
@@ -112,7 +110,6 @@ class _Window:
     start: int  # its first step, after the lead
     end: int  # one past its last step
     lead: int  # steps before start in which drafts are asked for ahead of the window
-    times: dict[int, list[float]] = field(default_factory=dict)  # its measured steps' seconds, by batch size
 
     def leading(self, step: int) -> bool:
         """The step runs while drafts are asked for ahead of the window: neither mode's steady state."""
@@ -262,9 +259,6 @@ class SpeedGuard:
         if settled and step.seconds > 0:
             batch = len(step.records)
             self._recent[on].setdefault(batch, deque(maxlen=BEFORE_STEPS)).append((self._step - 1, step.seconds))
-            window = self._window
-            if window is not None and window.on == on and window.start <= self._step - 1 < window.end:
-                window.times.setdefault(batch, []).append(step.seconds)
             if on:
                 self._observe_on(step, batch)
         for record, speculating in zip(step.records, step.speculating, strict=True):
@@ -306,15 +300,16 @@ class SpeedGuard:
     def cost_ratio(self, batch: int) -> float | None:
         """t_on / t_off for a batch of this size (or the closest measured); None until a window has
         measured it."""
-        ratio = self._closest(self._ratios, batch)
-        return None if ratio is None else ratio.value
+        near = [b for b in self._ratios if abs(b - batch) <= max(1, batch // 4)]  # within a quarter, at least one
+        return self._ratios[min(near, key=lambda b: (abs(b - batch), b))].value if near else None
 
     def _add_ratios(self, window: _Window) -> None:
         """A window ended: its steps against the other kind's just before it, at each batch size it
         measured. Steps next to each other in time see the same machine and about the same contexts."""
-        for batch, times in window.times.items():
+        for batch, steps in self._recent[window.on].items():
+            times = [seconds for step, seconds in steps if window.start <= step < window.end]
             before = self._recent_times(not window.on, batch, window.start - window.lead)
-            if len(before) >= MIN_BEFORE_STEPS:
+            if times and len(before) >= MIN_BEFORE_STEPS:
                 on, off = (times, before) if window.on else (before, times)
                 self._ratios.setdefault(batch, _Average(_RATIO_SMOOTHING)).add(_mean(on) / _mean(off))
 
@@ -323,13 +318,6 @@ class SpeedGuard:
         before step `until`: in a mixed batch an on window's rule is on, and the off steps at hand are
         the last off window's, long before."""
         return [seconds for step, seconds in self._recent[on].get(batch, ()) if until - RECENT_STEPS <= step]
-
-    @staticmethod
-    def _closest(by_batch: dict[int, T], batch: int) -> T | None:
-        """The entry at `batch` sequences, or at the closest batch size measured within a quarter of
-        it (at least one); None when there is none."""
-        near = [b for b in by_batch if abs(b - batch) <= max(1, batch // 4)]
-        return by_batch[min(near, key=lambda b: (abs(b - batch), b))] if near else None
 
 
 def _mean(values: Collection[float]) -> float:
