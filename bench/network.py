@@ -20,7 +20,7 @@ geometric mean, with the range twice its standard error gives: what the machine'
 run leaves of a cell); the mean of each stream's decode rate (tokens after its first, per second
 after it: what speculation speeds up, free of the prefills' spread) against alone's; MAL (tokens
 per verify step with drafts), TTFT p50 and its ratio, the mean draft round trip the target measured, time waited for drafts per decode step, the shares of
-steps that missed drafts or salvaged stale ones, dropped stale proposals, the tokens the speed
+steps that missed drafts, verified the target's own lookup instead, or salvaged stale ones, dropped stale proposals, the tokens the speed
 guard counted as gained less those lost against the target alone, how many outputs equal
 the target alone's, and the CPU seconds of each process over the phase; the JSON also has the
 target's steps by kind (prefill, decode, verify: how many, and their mean time). Writes a markdown table,
@@ -235,6 +235,7 @@ def row(cell: NetworkCell, alone: NetworkCell, cpu: dict[str, float]) -> dict:
         "draft_rtt_ms": 1000 * c["draft_rtt_sum"] / c["draft_rtt_count"] if c["draft_rtt_count"] else None,
         "wait_ms_per_step": 1000 * c["draft_wait_sum"] / steps if steps else None,
         "missed": c["draft_miss"] / speculating_steps if speculating_steps else None,
+        "own_lookup": c["draft_local"] / speculating_steps if speculating_steps else None,
         "salvaged": c["stale_salvaged"] / speculating_steps if speculating_steps else None,
         "dropped": int(c["stale_dropped"]),
         "guard_net_tokens": c["guard_gained"] - c["guard_lost"],
@@ -263,9 +264,9 @@ def _paired(paired: tuple[float, float] | None) -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| link | kind | c | config | tok/s | ÷ alone | paired ÷ alone (±2 SE range) | stream decode ÷ alone | MAL "
-             "| TTFT p50 ms (÷ alone) | draft RTT ms | wait ms/step | missed | salvaged | dropped | guard: net tokens "
-             "| identical | CPU s target / draft / proxy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT p50 ms (÷ alone) | draft RTT ms | wait ms/step | missed | own lookup | salvaged | dropped "
+             "| guard: net tokens | identical | CPU s target / draft / proxy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cpu = " / ".join(_fmt(r["cpu_s"].get(role), ".1f") for role in ("target", "draft", "proxy"))
         lines.append(
@@ -274,7 +275,8 @@ def markdown(rows: list[dict]) -> str:
             f"{_fmt(r['mal'], '.2f')} | "
             f"{r['ttft_p50_ms']:.0f} ({r['ttft_vs_alone']:.2f}) | "
             f"{_fmt(r['draft_rtt_ms'], '.1f')} | {_fmt(r['wait_ms_per_step'], '.2f')} | {_fmt(r['missed'], '.0%')} | "
-            f"{_fmt(r['salvaged'], '.0%')} | {r['dropped']} | {r['guard_net_tokens']:+.0f} | "
+            f"{_fmt(r['own_lookup'], '.0%')} | {_fmt(r['salvaged'], '.0%')} | {r['dropped']} | "
+            f"{r['guard_net_tokens']:+.0f} | "
             f"{r['identical']}/{r['prompts']} | {cpu} |")
     return "\n".join(lines)
 

@@ -6,6 +6,7 @@ from tandem.metrics_scrape import metric, scrape
 
 COUNTERS = {
     "draft_miss": "tandem_draft_miss_total",
+    "draft_local": "tandem_draft_local_total",
     "drafts": "tandem_spec_decode_num_drafts_total",
     "draft_tokens": "tandem_spec_decode_num_draft_tokens_total",
     "accepted_tokens": "tandem_spec_decode_num_accepted_tokens_total",

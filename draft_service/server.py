@@ -19,7 +19,7 @@ from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.drafters.suffix import SuffixDrafter, SuffixFrontDrafter
-from draft_service.drafters.suffix_index import SuffixParams
+from tandem.suffix_index import SuffixParams
 from draft_service.scheduler import DraftScheduler, Limits, Stream
 from tandem.config import ModelConfig
 from tandem.grpc_server import ServerOptions, freeze_startup_heap, serve_until_signal, start_server

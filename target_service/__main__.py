@@ -45,6 +45,8 @@ HELP = {
                      "(expected accepted tokens x step time) and not at all for a drafter slower than that; "
                      "0 never waits",
     "sync_speculation": "wait for the drafter every step (the blocking baseline, for benchmarks)",
+    "local_drafts": "where no proposal of the drafter's continues a sequence's tokens (its answer is still on the "
+                    "way), verify what a lookup of the sequence's own prompt and output drafts, if it is confident",
     "grammar_cache_size": "structured output: compiled grammars kept, by content hash (least recently used go first)",
     "grammar_compile_timeout": "structured output: seconds a constraint may take to compile before its request "
                                "gets INVALID_ARGUMENT",

@@ -52,6 +52,7 @@ class TargetConfig:
     num_speculative_tokens: int = 4
     draft_wait_ms: float = 50.0  # the most a step waits for drafts (the policy usually waits less); 0 never waits
     sync_speculation: bool = False  # wait for each step's drafts (the pre-non-blocking baseline)
+    local_drafts: bool = True  # where the drafter's proposals miss, verify the sequence's own lookup (local_drafts.py)
     reconnect_max_seconds: float = 5.0
     grammar_cache_size: int = 256  # compiled structured-output grammars kept, by content hash
     grammar_compile_timeout: float = 10.0  # seconds; a constraint that takes longer gets INVALID_ARGUMENT

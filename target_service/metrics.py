@@ -65,6 +65,9 @@ class TargetMetrics:
         self.preemptions = counter(
             "tandem_num_preemptions", "Running sequences preempted for KV blocks (recomputed when readmitted).")
         self.draft_miss = counter("tandem_draft_miss", "Steps where a speculating sequence had no usable draft.")
+        self.draft_local = counter(
+            "tandem_draft_local", "Steps where a speculating sequence verified the target's own lookup, the drafter's "
+                                  "proposals having none for its tokens.")
         self.draft_stale = counter("tandem_draft_stale", "Stale proposals by outcome.", extra=("outcome",))
         self.draft_rejected = counter("tandem_draft_rejected_proposals", "Invalid proposals dropped.", extra=("reason",))
         self.draft_cache_hits = counter(

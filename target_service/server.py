@@ -16,6 +16,7 @@ from target_service.model_runner import ModelRunner
 from target_service.scheduler import Scheduler
 from target_service.speculation.link import DrafterLink
 from target_service.speculation.policy import speculation_policy
+from target_service.speculation.local_drafts import LocalDrafts
 from target_service.speculation.speculator import Speculator
 from tandem.grpc_server import freeze_startup_heap, serve_until_signal
 from tandem.runtime import dtype_name, load_model
@@ -43,8 +44,9 @@ async def serve(config: TargetConfig) -> None:
             hidden_size=loaded.config.hidden_size,
         )
     kv_cache = loaded.model.kv_cache
+    local_drafts = LocalDrafts() if config.local_drafts and not config.sync_speculation else None
     speculator = Speculator(speculation_policy(config), metrics, vocab_size=loaded.config.vocab_size,
-                            max_len=kv_cache.max_len, connect=connect)
+                            max_len=kv_cache.max_len, connect=connect, local_drafts=local_drafts)
     scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_queue, metrics, config.prefix_caching,
                           config.max_num_batched_tokens)
     metrics.describe_cache(kv_cache.block_size, kv_cache.num_blocks, dtype_name(kv_cache.dtype),

@@ -1,5 +1,5 @@
-"""Suffix decoding: drafts from earlier occurrences of the context's tail (suffix_index.py), looked up
-in the request's own prompt and output and in the outputs of recently finished requests.
+"""Suffix decoding: drafts from earlier occurrences of the context's tail (tandem/suffix_index.py),
+looked up in the request's own prompt and output and in the outputs of recently finished requests.
 
 Like the n-gram drafter it needs no model and sends a point mass as q' (lossless: a draft d is
 accepted with probability p(d)). Unlike it, it weighs every occurrence it finds, drafts only as far
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from draft_service.drafter import DraftJob, Drafted, Guess, SeqKey, make_drafted, never
 from draft_service.drafters.model import ModelDrafter
-from draft_service.drafters.suffix_index import NO_DRAFT, SuffixDraft, SuffixIndex, SuffixParams, speculate
+from tandem.suffix_index import NO_DRAFT, SuffixDraft, SuffixIndex, SuffixParams, speculate
 from tandem_kernels.compression import point_mass
 
 

@@ -24,6 +24,8 @@ class HeldProposal:
     probs: CompressedProbs | None  # [len(tokens), K] q' rows; None when ids suffice
     assumed: tuple[int, ...] = ()
     used: bool = False  # a step has verified drafts of it
+    local: bool = False  # the target's own lookup drafted it (local_drafts.py), not the drafter
+
     @property
     def known_len(self) -> int:
         """The committed prefix the drafter drafted from, before its assumed tokens."""

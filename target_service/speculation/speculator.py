@@ -32,10 +32,11 @@ from target_service.metrics import TargetMetrics
 from target_service.step_items import ChunkResult
 from target_service.sequence import Output, Sequence
 from target_service.speculation.drafter_state import DrafterState
+from target_service.speculation.local_drafts import LocalDrafts
 from target_service.speculation.messages import extend_message, open_message
 from target_service.speculation.plan import DraftPlan, PlannedDrafts
 from target_service.speculation.policy import SpeculationPolicy
-from target_service.speculation.proposals import InvalidProposal, validate_proposal
+from target_service.speculation.proposals import InvalidProposal, match_proposal, validate_proposal
 from target_service.speculation.speed_guard import GuardFigures
 from tandem.hidden_states import FeatureLayout
 from tandem.v1 import drafter_pb2
@@ -71,9 +72,11 @@ class Link(Protocol):
 
 class Speculator:
     def __init__(self, policy: SpeculationPolicy, metrics: TargetMetrics, *, vocab_size: int, max_len: int,
-                 connect: Callable[[DrafterPeer], Link] | None = None):
-        """connect: makes the link to the drafter, given this speculator as its peer; None: no drafter."""
+                 connect: Callable[[DrafterPeer], Link] | None = None, local_drafts: LocalDrafts | None = None):
+        """connect: makes the link to the drafter, given this speculator as its peer; None: no drafter.
+        local_drafts: the target's own lookup, for the steps the drafter's proposals miss; None: off."""
         self.policy = policy
+        self.local_drafts = local_drafts
         self.metrics = metrics
         self.vocab_size = vocab_size
         self.max_len = max_len  # of the KV cache: no draft may run past it
@@ -202,6 +205,8 @@ class Speculator:
         """Forget the sequence, and close it on the drafter if this stream opened it, in the update
         that tells it the tokens it was not told (the last step's, a paused sequence's tail): a
         suffix drafter indexes the whole output, a model drafter keeps the slot with the most of it."""
+        if self.local_drafts is not None:
+            self.local_drafts.release(seq.seq_id)
         state = self._states.pop(seq.seq_id, None)
         if state is None or not state.told_len or not self.connected:
             return
@@ -245,6 +250,10 @@ class Speculator:
         seq = state.seq
         cap = self._cap(seq)
         match, source = state.match(cap)
+        # Where nothing the drafter sent continues the tokens, and it was asked to draft: the target's own lookup.
+        if match.drafts is None and cap > 0 and state.told_k > 0 and self.local_drafts is not None:
+            if (own := self.local_drafts.propose(seq, cap)) is not None:
+                match, source = match_proposal(own, seq.token_ids, cap), own
         awaiting = cap > 0 and match.drafts is None and state.answered_len != len(seq.token_ids)
         return PlannedDrafts(seq=seq, cap=cap, drafts=match.drafts, awaiting=awaiting, source=source)
 
@@ -285,7 +294,7 @@ class Speculator:
         that the committed tokens contradict is dropped.
         """
         m = self.metrics
-        stale = predrafts = missed = hits = salvaged = 0  # counted once per step, as in account
+        stale = predrafts = missed = hits = salvaged = local = 0  # counted once per step, as in account
         for state, entry, budget in zip(states, plan.entries, budgets, strict=True):
             m.draft_cache_held.observe(len(state.held))
             evicted = state.evict()
@@ -298,7 +307,9 @@ class Speculator:
                 entry.source.used = True
                 hits += entry.cached
                 salvaged += entry.drafts.salvaged
-        for metric, count in ((m.draft_cache_evicted, predrafts), (m.draft_miss, missed), (m.draft_cache_hits, hits)):
+                local += entry.source.local
+        for metric, count in ((m.draft_cache_evicted, predrafts), (m.draft_miss, missed), (m.draft_cache_hits, hits),
+                              (m.draft_local, local)):
             if count:
                 metric.inc(count)
         for outcome, count in (("dropped", stale), ("salvaged", salvaged)):

@@ -28,6 +28,7 @@ def test_a_row_sets_the_streams_decode_rate_apart_from_the_groups_wall_time():
     alone = _cell(network.ALONE, 10.0, [1.0, 3.0], [20.0, 30.0], [25.0, 15.0])
     # Slower prefills made the group's wall time longer, while each stream decoded faster.
     pair = _cell("suffix", 12.5, [2.0, 4.0], [30.0, 30.0], [20.0, 12.0], drafts=10, accepted_tokens=12,
+                 draft_miss=5, draft_local=3,
                  step_decode_count=20, step_decode_sum=0.1, step_verify_count=10, step_verify_sum=0.09)
     row = network.row(pair, alone, {"target": 1.0})
     assert row["vs_alone"] == pytest.approx(0.8)
@@ -36,6 +37,9 @@ def test_a_row_sets_the_streams_decode_rate_apart_from_the_groups_wall_time():
     assert row["mal"] == pytest.approx(2.2)
     assert row["paired_vs_alone"] == (pytest.approx(0.8), pytest.approx(1.0))  # each group at 0.8: no spread
     assert "| 0.80 | 0.80 (0.80-0.80) | 1.20 | 2.20 |" in network.markdown([row])
+    # Of 15 steps that could speculate, 5 missed; 3 of the 10 that verified drafts had the target's own.
+    assert (row["missed"], row["own_lookup"]) == (pytest.approx(1 / 3), pytest.approx(0.2))
+    assert "| 33% | 20% |" in network.markdown([row])
     assert row["steps"]["decode"] == {"count": 20, "mean_ms": pytest.approx(5.0)}
     assert row["steps"]["verify"] == {"count": 10, "mean_ms": pytest.approx(9.0)}
     assert row["steps"]["prefill"] == {"count": 0, "mean_ms": None}

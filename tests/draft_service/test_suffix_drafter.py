@@ -12,7 +12,7 @@ from tandem_kernels.sampling import Sampling
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.suffix import SuffixDrafter, SuffixFrontDrafter
-from draft_service.drafters.suffix_index import ANCHORS, SuffixIndex, SuffixParams, speculate
+from tandem.suffix_index import ANCHORS, SuffixIndex, SuffixParams, speculate
 from tandem_kernels.compression import ONE, unpack
 from tests.support.tiny_drafter import tiny_draft_model
 

@@ -84,10 +84,11 @@ def test_a_delayed_link_that_partitions_and_loses_its_drafter_costs_clients_no_t
                             log_path=logs / "draft.log").start()
     proxy = ProxyProcess(draft.address, ONE_WAY_MS, JITTER_MS, log_path=logs / "proxy.log").start()
     # The step floor makes drafts pay on this CPU (see test_service_pair's fault tests), so that the
-    # speed guard keeps speculating and its return can be seen.
+    # speed guard keeps speculating and its return can be seen; without the target's own lookup, every
+    # accepted draft is the drafter's.
     target = service_process("target_service", ["--threads", "1", "--max-model-len", "512", "--drafter",
                                                 proxy.address, "--min-step-ms", "30", "--draft-wait-ms", "50",
-                                                "--reconnect-max-seconds", "0.3"],
+                                                "--reconnect-max-seconds", "0.3", "--no-local-drafts"],
                              log_path=logs / "target.log").start()
     try:
         draft.wait_healthy()

@@ -12,6 +12,9 @@ from tests.support.service_fixtures import PROMPTS, greedy_request, metric, run_
 from tandem.launch import ServiceProcess
 
 MAX_TOKENS = 24
+DRAFTER_ONLY = ["--no-local-drafts"]  # every draft verified is the drafter's, so its return can be seen
+COPYING = ("Correct any mistakes in the following text and return the full corrected text.\n\n"
+           "Our team moved its build sytem from a single large script to a set of small tasks last month.")
 
 
 def _greedy_identity(target: ServiceProcess) -> None:
@@ -117,7 +120,8 @@ def test_drafter_killed_and_restarted(tmp_path_factory, ngram_pair):
     # to resume. The output alone comes from the other pair's target, the same model without the floor.
     [reference] = run_requests(ngram_pair[1].address, [greedy_request(PROMPTS[4], 48, speculate=False)])
     draft, target = start_pair(tmp_path_factory, "faults", ["--drafter", "ngram"],
-                               ["--max-num-seqs", "4", "--min-step-ms", "50", "--reconnect-max-seconds", "0.3"])
+                               ["--max-num-seqs", "4", "--min-step-ms", "50", "--reconnect-max-seconds", "0.3",
+                                *DRAFTER_ONLY])
     try:
         results = []
         worker = threading.Thread(target=lambda: results.extend(
@@ -151,7 +155,7 @@ def test_a_hung_drafter_makes_no_step_wait_and_speculation_resumes_when_it_answe
     where a verify costs several decode steps the policy would pause the drafter, and a 48-token
     request might then hold no exploring step (one in 64) to show that speculation resumed."""
     draft, target = start_pair(tmp_path_factory, "hung", ["--drafter", "ngram"],
-                               ["--draft-wait-ms", "50", "--min-step-ms", "50"])
+                               ["--draft-wait-ms", "50", "--min-step-ms", "50", *DRAFTER_ONLY])
     request = greedy_request(PROMPTS[4], 48, ignore_eos=True)
     try:
         [alone] = run_requests(ngram_pair[1].address, [greedy_request(PROMPTS[4], 48, ignore_eos=True,
@@ -177,6 +181,26 @@ def test_a_hung_drafter_makes_no_step_wait_and_speculation_resumes_when_it_answe
         [resumed] = run_requests(target.address, [request])
         assert resumed.token_ids == alone.token_ids
         assert resumed.draft_tokens > 0, "speculation did not resume once the drafter answered again"
+    finally:
+        target.kill()
+        draft.kill()
+
+
+def test_a_silent_drafter_leaves_a_copying_request_its_own_lookup(tmp_path_factory, ngram_pair):
+    """SIGSTOP: the drafter answers nothing. A request that copies its prompt still verifies drafts,
+    the target's own lookup of its tokens, and gets the target alone's tokens."""
+    [alone] = run_requests(ngram_pair[1].address, [greedy_request(COPYING, 40, speculate=False)])
+    draft, target = start_pair(tmp_path_factory, "silent", ["--drafter", "ngram"])
+    try:
+        draft.process.send_signal(signal.SIGSTOP)
+        try:
+            [copied] = run_requests(target.address, [greedy_request(COPYING, 40)])
+            after = scrape(target.metrics_url)
+        finally:
+            draft.process.send_signal(signal.SIGCONT)
+        assert copied.token_ids == alone.token_ids
+        assert copied.accepted_tokens > 0 and metric(after, "tandem_draft_local_total") > 0
+        assert metric(after, "tandem_draft_rtt_seconds_count") == 0  # none of the drafts was the drafter's
     finally:
         target.kill()
         draft.kill()

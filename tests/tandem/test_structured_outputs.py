@@ -332,7 +332,7 @@ def test_suffix_in_front_hands_a_draft_the_grammar_would_cut_to_the_model(model_
     """The copy ' one two' repeats, so the suffix drafter is sure of it; under a digits-only grammar the
     masked model drafts instead, and the unconstrained twin still gets the suffix draft."""
     from draft_service.drafters.suffix import SuffixDrafter, SuffixFrontDrafter
-    from draft_service.drafters.suffix_index import SuffixParams
+    from tandem.suffix_index import SuffixParams
 
     front = SuffixFrontDrafter(SuffixDrafter(SuffixParams(), 0), model_drafter, confidence=0.5)
     prompt = tokenizer.encode(" one two three" * 6, add_special_tokens=False)

@@ -23,6 +23,7 @@ from target_service.step_items import Chunk, ChunkResult
 from target_service.scheduler import Scheduler
 from target_service.sequence import FinishReason, Output, RequestOptions, Sequence, SequenceStatus
 from target_service.speculation.policy import speculation_policy
+from target_service.speculation.local_drafts import LocalDrafts
 from target_service.speculation.speculator import Speculator
 from tandem.model.kv_cache import KVCache
 from tandem.model.random_weights import SHAPES
@@ -35,8 +36,10 @@ BLOCK_PROMPT = LONG_PROMPT[:16]  # one full block
 CHUNKED_PROMPT = tuple(range(500, 540))  # two full blocks and eight positions of a third
 # The target's greedy continuation of each prompt: T[i] is the token at position len(prompt) + i.
 T = (10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25)
+COPY_PROMPT = (60, 61, 62, 63, 64, 65, 66, 67, 68, 60, 61)  # its continuation copies it, then goes its own way
 CONTINUATIONS = {PROMPT: T, OTHER_PROMPT: tuple(t + 100 for t in T), LONG_PROMPT: tuple(t + 200 for t in T),
-                 BLOCK_PROMPT: tuple(t + 300 for t in T), CHUNKED_PROMPT: tuple(t + 400 for t in T)}
+                 BLOCK_PROMPT: tuple(t + 300 for t in T), CHUNKED_PROMPT: tuple(t + 400 for t in T),
+                 COPY_PROMPT: (62, 63, 64, 65, 66, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100)}
 N = len(PROMPT) + 1  # committed after the prefill: the prompt and T[0]
 MAX_K = 4
 VOCAB = 1000
@@ -168,7 +171,8 @@ def make():
         link = FakeLink(events, max_k=max_k)
         target_config, metrics = TargetConfig(**config), TargetMetrics("test")
         speculator = Speculator(speculation_policy(target_config), metrics, vocab_size=VOCAB, max_len=max_len,
-                                connect=(lambda peer: link) if drafter else None)
+                                connect=(lambda peer: link) if drafter else None,
+                                local_drafts=LocalDrafts() if target_config.local_drafts else None)
         cache = KVCache(SHAPES["tiny"], num_slots, max_len, torch.float32, torch.device("cpu"), num_blocks=kv_blocks)
         scheduler = Scheduler(cache, target_config.max_num_seqs, target_config.max_queue, metrics,
                               target_config.prefix_caching, target_config.max_num_batched_tokens)
@@ -286,6 +290,26 @@ async def test_a_step_verifies_the_drafts_that_continue_the_committed_tokens(mak
     assert h.count("tandem_draft_miss_total") == miss
     assert h.count("tandem_draft_stale_total", outcome="salvaged") == salvaged
     assert h.count("tandem_draft_stale_total", outcome="dropped") == dropped
+
+
+@pytest.mark.parametrize("case", ["drafter silent", "drafter paused", "request not speculating", "turned off"])
+async def test_where_no_proposal_continues_the_tokens_the_target_verifies_its_own_lookup(make, monkeypatch, case):
+    """A sequence that copies its prompt, and a drafter that has sent nothing for it: the step verifies
+    what the sequence's own tokens say comes next, counted as local drafts, not as a miss. Not for a
+    sequence the drafter was told to pause, one that asked for no speculation, nor with --no-local-drafts."""
+    h = make(local_drafts=case != "turned off")
+    seq = h.submit(COPY_PROMPT, speculate=case != "request not speculating")
+    if case == "drafter paused":
+        monkeypatch.setattr(h.engine.speculator.policy, "drafts_to_request", lambda records, caps: [0] * len(caps))
+    await h.engine.step()  # the prefill commits 62, told to the drafter with k = 0 when paused
+    await h.engine.step()  # [60, 61, 62] occurred in the prompt, followed by 63 64 65 66
+    copied = case == "drafter silent"
+    assert h.verified_drafts(seq) == ([63, 64, 65, 66] if copied else [])
+    assert seq.token_ids[len(COPY_PROMPT):] == ([62, 63, 64, 65, 66, 90] if copied else [62, 63])
+    assert h.count("tandem_draft_local_total") == copied
+    assert h.count("tandem_draft_miss_total") == (case in ("drafter paused", "turned off"))
+    await h.engine.step()  # 90 occurs nowhere before: nothing to look up
+    assert h.verified_drafts(seq) == [] and h.count("tandem_draft_local_total") == copied
 
 
 async def test_a_contradicted_proposal_is_dropped_once_and_not_counted_again(make):

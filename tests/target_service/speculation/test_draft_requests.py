@@ -79,8 +79,9 @@ def wrong_pair(tmp_path_factory, smollm2_path):
         # than a decode: drafts accepted 1% of the time would pay there, and the policy rightly keeps
         # trying them while its estimate of alpha falls towards 0, which is not what this test is about.
         patch.setenv("TANDEM_NATIVE", "0")
+        # Without the target's own lookup, whose drafts of a repeating output would be accepted.
         with target_with_drafter(drafter, tmp_path_factory.mktemp("wrong"), "--num-speculative-tokens",
-                                 str(K)) as target:
+                                 str(K), "--no-local-drafts") as target:
             yield drafter, target
 
 

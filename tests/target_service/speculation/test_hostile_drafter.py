@@ -54,7 +54,9 @@ class HostileDrafter(drafter_pb2_grpc.DrafterServicer):
 @pytest.fixture(scope="module")
 def hostile_target(tmp_path_factory, smollm2_path):
     drafter = HostileDrafter(load_tokenizer(smollm2_path).fingerprint)
-    with target_with_drafter(drafter, tmp_path_factory.mktemp("hostile"), "--num-speculative-tokens", "4") as target:
+    # Without the target's own lookup, every draft a step verifies would be the drafter's.
+    with target_with_drafter(drafter, tmp_path_factory.mktemp("hostile"), "--num-speculative-tokens", "4",
+                             "--no-local-drafts") as target:
         yield target
 
 
@@ -144,7 +146,7 @@ class ScriptedDrafter(drafter_pb2_grpc.DrafterServicer):
 def scripted(tmp_path_factory, smollm2_path):
     drafter = ScriptedDrafter(load_tokenizer(smollm2_path).fingerprint)
     with target_with_drafter(drafter, tmp_path_factory.mktemp("scripted"), "--num-speculative-tokens", "4",
-                             "--draft-wait-ms", "20") as target:
+                             "--draft-wait-ms", "20", "--no-local-drafts") as target:  # only the drafter drafts
         alone = run_requests(target.address, [greedy_request(p, 10, speculate=False) for p in PROMPTS[:2]])
         yield drafter, target, [a.token_ids for a in alone]
         drafter.release.set()
