@@ -116,10 +116,9 @@ HELP = {
                   "drafted ahead while the target verifies it, for targets that keep such proposals; -1: all "
                   "(k x --predraft-guesses + 1), 0: off. Each takes a KV slot from --num-slots while in use; "
                   "spare time and free slots may cover fewer",
-    "predraft_guesses": "pre-drafting: how many of its most likely tokens the drafter tries as the token the "
+    "predraft_guesses": "pre-drafting: how many of its most likely tokens the model drafter tries as the token the "
                         "target emits after rejecting a draft, each an outcome of its own (best expected gain "
-                        "first): the model's likeliest, or the suffix drafter's most frequent other continuations; "
-                        "the bonus token gets one guess",
+                        "first); the bonus token gets one guess",
     "max_predraft_depth": "pre-drafting: how many verifications ahead the drafter pre-drafts at most. It pre-drafts "
                           "as many as a target's draft round trip spans of its step interval (both sent by the "
                           "target), so that the drafts for a step reach the target before it starts over a long "

@@ -4,9 +4,8 @@ After proposing d1..dk for a committed prefix C of length L, the drafter does no
 target's next Extend. It drafts ahead for the likely outcomes of the verification the target is
 running: j drafts accepted (0 <= j <= k), then the next token b, which the drafter guesses from its
 own distribution: for j < k its few most likely tokens other than d(j+1) at position L+j (the
-recovered token; --predraft-guesses of them, each an outcome of its own; the suffix drafter's are
-what other occurrences took there), for j = k its top token at position L+k (the bonus token).
-For outcome (j, b) it drafts
+recovered token; --predraft-guesses of them, each an outcome of its own), for j = k its top token
+at position L+k (the bonus token). For outcome (j, b) it drafts
 the tokens that continue C + d1..dj + b and sends them as an ordinary proposal whose assumed_ids
 are d1..dj, b. When the next Extend commits exactly those tokens, the target already holds drafts
 for its new prefix, and the drafter goes straight on to the outcomes of that proposal.

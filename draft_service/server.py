@@ -84,7 +84,7 @@ def load_drafter(config: DraftConfig) -> LoadedDrafter:
 def suffix_drafter(config: DraftConfig) -> SuffixDrafter:
     params = SuffixParams(max_depth=config.suffix_max_depth, max_spec_factor=config.suffix_spec_factor,
                           min_token_prob=config.suffix_min_token_prob)
-    return SuffixDrafter(params, config.suffix_cache_tokens, config.predraft_guesses)
+    return SuffixDrafter(params, config.suffix_cache_tokens)
 
 
 def model_vocab_size(path: Path, tokenizer: Tokenizer) -> int:
@@ -133,8 +133,8 @@ async def serve(config: DraftConfig) -> None:
     limits = Limits(vocab_size=loaded.info.vocab_size, max_model_len=config.max_model_len,
                     max_k=config.max_k, num_slots=config.num_slots,
                     max_seqs_per_target=config.max_seqs_per_target, lookahead=config.lookahead)
-    # The n-gram drafter guesses no recovered token; the others guess from a distribution or the occurrences.
-    guesses = 1 if config.drafter == "ngram" else config.predraft_guesses
+    # Only a model has a distribution to guess recovered tokens from; the lookup drafters guess none.
+    guesses = config.predraft_guesses if config.drafter in ("model", "suffix+model", "eagle3") else 1
     scheduler = DraftScheduler(loaded.drafter, loaded.metrics, limits,
                                max_fanout=config.max_fanout, guesses=guesses, grammars=loaded.grammars,
                                max_predraft_depth=config.max_predraft_depth)

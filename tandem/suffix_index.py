@@ -12,9 +12,7 @@ far is right, by frequency) stays at or above `min_token_prob`. It tries every m
 occurrences offer (the occurrences matching at least m tokens), drafts at most
 `max_spec_factor * m` tokens from each, and keeps the draft with the highest score, the expected
 number of accepted tokens (the sum of those products). Long, frequent matches thus draft long;
-a one-token match drafts one token at most. Where the occurrences that agreed so far part ways, the
-tokens the others took are the draft's alternatives at that position: guesses at the token the target
-emits if it rejects the draft, which the drafter pre-drafts (draft_service/predraft.py).
+a one-token match drafts one token at most.
 
 Own implementation rather than a suffix tree: the index costs a few list entries per token, and
 a lookup scans at most `max_occurrences` occurrences per index, so that memory and time stay
@@ -24,8 +22,6 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-
-Alternatives = list[tuple[int, float]]  # other tokens, most frequent first, each with its share of the others
 
 ANCHORS = (8, 4, 2, 1)  # n-gram lengths indexed, longest first
 DOC_SHIFT = 32  # an occurrence is packed as doc_id << DOC_SHIFT | end (the position after the n-gram)
@@ -46,8 +42,6 @@ class SuffixDraft:
     tokens: list[int]
     score: float  # expected accepted tokens: the sum over the draft of P(every token up to here is right)
     match_len: int
-    # Per draft token: what the occurrences that agreed on the tokens before it took instead of it.
-    alternatives: list[Alternatives] = field(default_factory=list)
 
 
 NO_DRAFT = SuffixDraft([], 0.0, 0)
@@ -150,29 +144,25 @@ def speculate(occurrences: list[Occurrence], k: int, params: SuffixParams) -> Su
         limit = min(k, max(1, int(params.max_spec_factor * match_len)))
         draft = _greedy_path([o.continuation for o in occurrences if o.match_len >= match_len], limit,
                              params.min_token_prob)
-        if draft.score > best.score:
-            best = SuffixDraft(draft.tokens, draft.score, match_len, draft.alternatives)
+        if draft[1] > best.score:
+            best = SuffixDraft(draft[0], draft[1], match_len)
     return best
 
 
-def _greedy_path(continuations: list[list[int]], limit: int, min_prob: float) -> SuffixDraft:
-    """The most frequent continuation, token by token, with the alternatives at each (match_len unset)."""
+def _greedy_path(continuations: list[list[int]], limit: int, min_prob: float) -> tuple[list[int], float]:
+    """The most frequent continuation, token by token; (tokens, expected accepted tokens)."""
     tokens: list[int] = []
-    alternatives: list[Alternatives] = []
     chance, score = 1.0, 0.0
     alive = continuations
     for step in range(limit):
         counts = Counter(c[step] for c in alive if len(c) > step)
         if not counts:
             break
-        ranked = counts.most_common()
-        token, count = ranked[0]
-        total = sum(counts.values())
-        chance *= count / total
+        token, count = counts.most_common(1)[0]
+        chance *= count / sum(counts.values())
         if chance < min_prob:
             break
         tokens.append(token)
-        alternatives.append([(other, n / (total - count)) for other, n in ranked[1:]])
         score += chance
         alive = [c for c in alive if len(c) > step and c[step] == token]
-    return SuffixDraft(tokens, score, 0, alternatives)
+    return tokens, score

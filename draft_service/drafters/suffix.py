@@ -4,8 +4,7 @@ looked up in the request's own prompt and output and in the outputs of recently 
 Like the n-gram drafter it needs no model and sends a point mass as q' (lossless: a draft d is
 accepted with probability p(d)). Unlike it, it weighs every occurrence it finds, drafts only as far
 as the occurrences agree, and learns from other requests: agent loops, code edits and rewrites
-repeat what earlier answers said. Where the occurrences part ways, the tokens the others took are its
-guesses at the target's token after a rejected draft, for pre-drafting.
+repeat what earlier answers said.
 
 `SuffixFrontDrafter` runs it in front of the model drafter: a sequence whose suffix draft is
 confident (its expected accepted tokens reach `confidence` x k) takes it, at no cost; the rest go to the
@@ -16,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from draft_service.drafter import DraftJob, Drafted, Guess, SeqKey, make_drafted, never
+from draft_service.drafter import DraftJob, Drafted, SeqKey, make_drafted, never
 from draft_service.drafters.model import ModelDrafter
 from tandem.suffix_index import NO_DRAFT, SuffixDraft, SuffixIndex, SuffixParams, speculate
 from tandem_kernels.compression import point_mass
@@ -38,12 +37,10 @@ class SuffixDrafter:
     probs_top_k = 1
     feature_layout = None  # it reads no target features
 
-    def __init__(self, params: SuffixParams = SuffixParams(), cache_tokens: int = 200_000, guesses: int = 1):
-        """cache_tokens: finished outputs kept for other requests to draft from (oldest dropped first);
-        guesses: the recovered-token guesses each draft carries at most, for pre-drafting."""
+    def __init__(self, params: SuffixParams = SuffixParams(), cache_tokens: int = 200_000):
+        """cache_tokens: finished outputs kept for other requests to draft from (oldest dropped first)."""
         self.params = params
         self.cache_tokens = cache_tokens
-        self.guesses = guesses
         self.shared = SuffixIndex()
         self._local: dict[SeqKey, LocalDoc] = {}
 
@@ -97,17 +94,16 @@ class SuffixDrafter:
         For a guess_next job (the outcome "all drafts accepted") the suffix draft's first token is
         the guess at the bonus token, the rest are the drafts after it."""
         tokens = suffix.tokens
-        recovered = [[Guess(token, share) for token, share in others[: self.guesses]] for others in suffix.alternatives]
         if job.guess_next:
             if len(tokens) < 2:
                 return None  # no guess at the bonus token, or nothing after it
-            guess, tokens, recovered = tokens[0], tokens[1:], recovered[1:]
+            guess, tokens = tokens[0], tokens[1:]
         else:
             guess = None
             if job.is_predraft and not tokens:
                 return None  # "nothing" answers a prefix the target has sent, never an assumed one
         q_prime = point_mass(tokens) if tokens and job.sequence.sampling.needs_draft_probs else None
-        return make_drafted(job, tokens, q_prime, recovered, guessed_next=guess)
+        return make_drafted(job, tokens, q_prime, guessed_next=guess)
 
     def draft(self, jobs: list[DraftJob], stop: Callable[[], bool] = never) -> list[Drafted]:
         """Lookups take microseconds: `stop` is never needed."""

@@ -189,24 +189,6 @@ async def test_a_closing_updates_tokens_reach_the_drafter_before_it_forgets_the_
     assert (proposal.seq_id, list(proposal.token_ids)) == (2, [15, 16, 17])
 
 
-async def test_the_suffix_drafter_predrafts_the_token_other_occurrences_took_after_a_rejection():
-    """After [5, 6] came 7 twice and 8 once: the proposal drafts 7, and the outcome "7 rejected, the
-    target emits 8" is pre-drafted from what followed 8, before the target says which it was."""
-    prompt = [5, 6, 7, 1, 2, 5, 6, 8, 3, 4, 5, 6, 7, 1, 2, 0, 5, 6]
-    async with running_scheduler(SuffixDrafter(guesses=3), DraftMetrics("test"), LIMITS, max_fanout=-1,
-                                 guesses=3) as scheduler:
-        stream = scheduler.open_stream()
-        scheduler.apply(stream, pb.TargetUpdate(opens=[pb.SequenceOpen(seq_id=1, prompt_ids=prompt, k=4,
-                                                                       accepts_assumed=True)]))
-        proposals = []
-        while not any(list(p.assumed_ids) == [8] for p in proposals):
-            proposals += (await asyncio.wait_for(stream.outbox.get(), 10)).proposals
-    fresh = next(p for p in proposals if not p.assumed_ids)
-    assert list(fresh.token_ids) == [7, 1, 2, 0]
-    recovered = next(p for p in proposals if list(p.assumed_ids) == [8])
-    assert (recovered.base_len, list(recovered.token_ids)) == (len(prompt) + 1, [3, 4, 5, 6])
-
-
 async def test_the_output_is_what_follows_the_opens_prompt_however_late_the_round():
     """A drafter busy elsewhere may first see a sequence with tokens after its prompt, or closed
     already: its output is still every token after the Open's prompt (prompt_len, which a

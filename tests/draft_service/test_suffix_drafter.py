@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from draft_service.drafter import DraftJob, DraftSequence, Guess
+from draft_service.drafter import DraftJob, DraftSequence
 from tandem_kernels.sampling import Sampling
 from draft_service.metrics import DraftMetrics
 from draft_service.drafters.model import ModelDrafter
@@ -32,8 +32,7 @@ def _draft(drafter, tokens: list[int], **job_args):
 
 
 def _reference_draft(docs: list[list[int]], context: list[int], k: int, params: SuffixParams):
-    """Brute force over every position of every document, by the rules in suffix_index's docstring:
-    (tokens, score, alternatives)."""
+    """Brute force over every position of every document, by the rules in suffix_index's docstring."""
     for n in ANCHORS:
         if len(context) < n:
             continue
@@ -49,11 +48,11 @@ def _reference_draft(docs: list[list[int]], context: list[int], k: int, params: 
         if found:
             break
     else:
-        return [], 0.0, []
-    best = [], 0.0, []
+        return [], 0.0
+    best_tokens, best_score = [], 0.0
     for m in sorted({length for length, _ in found}, reverse=True):
         alive = [c for length, c in found if length >= m]
-        tokens, chance, score, alternatives = [], 1.0, 0.0, []
+        tokens, chance, score = [], 1.0, 0.0
         for step in range(min(k, max(1, int(params.max_spec_factor * m)))):
             counts = Counter(c[step] for c in alive if len(c) > step)
             if not counts:
@@ -63,16 +62,13 @@ def _reference_draft(docs: list[list[int]], context: list[int], k: int, params: 
             if chance < params.min_token_prob:
                 break
             # Ties: the most recent occurrence's token, as the index scans newest first.
-            newest_first = [c[step] for c in reversed(alive) if len(c) > step]
-            token = next(t for t in newest_first if counts[t] == top)
+            token = next(c[step] for c in reversed(alive) if len(c) > step and counts[c[step]] == top)
             tokens.append(token)
-            others = sorted(set(newest_first) - {token}, key=lambda t: (-counts[t], newest_first.index(t)))
-            alternatives.append([(t, counts[t] / (sum(counts.values()) - top)) for t in others])
             score += chance
             alive = [c for c in alive if len(c) > step and c[step] == token]
-        if score > best[1]:
-            best = tokens, score, alternatives
-    return best
+        if score > best_score:
+            best_tokens, best_score = tokens, score
+    return best_tokens, best_score
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -87,11 +83,8 @@ def test_speculate_equals_a_brute_force_reference(seed):
     for doc in docs:
         index.add(doc)
     draft = speculate(index.occurrences(context, params, K + 1), K, params)
-    tokens, score, alternatives = _reference_draft(docs, context, K, params)
+    tokens, score = _reference_draft(docs, context, K, params)
     assert (draft.tokens, draft.score) == (tokens, pytest.approx(score))
-    assert [[t for t, _ in others] for others in draft.alternatives] == [[t for t, _ in o] for o in alternatives]
-    assert [[share for _, share in others] for others in draft.alternatives] == \
-        [pytest.approx([share for _, share in o]) for o in alternatives]
 
 
 def test_a_repeated_passage_is_drafted_as_far_as_it_goes():
@@ -111,26 +104,6 @@ def test_frequencies_decide_the_draft_and_where_it_stops():
     assert draft.tokens == [7] and draft.score == pytest.approx(0.75)
     strict = SuffixDrafter(SuffixParams(min_token_prob=0.8))
     assert strict.propose(_job(tokens), K).tokens == []
-
-
-def test_where_occurrences_part_ways_the_others_continuations_are_the_recovered_guesses():
-    # After [5, 6]: 7 three times, 8 twice, 9 once. The draft is 7 (and stops: after it 1 came 2 times
-    # in 3, 3/6 x 2/3 < 0.4); if the target rejects it, the others say 8 (two of the three) or 9 (one).
-    tokens = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 7, 3, 5, 6, 9, 4, 5, 6, 8, 2, 5, 6, 7, 1, 0, 5, 6]
-    drafter = SuffixDrafter(SuffixParams(max_spec_factor=1.0, min_token_prob=0.4), guesses=2)
-    draft = _draft(drafter, tokens)
-    assert draft.token_ids == [7]
-    assert draft.recovered_guesses == [[Guess(8, pytest.approx(2 / 3)), Guess(9, pytest.approx(1 / 3))]]
-    one = _draft(SuffixDrafter(SuffixParams(max_spec_factor=1.0, min_token_prob=0.4), guesses=1), tokens, seq_id=2)
-    assert one.recovered_guesses == [[Guess(8, pytest.approx(2 / 3))]]
-    # Where every occurrence agrees there is nothing to guess.
-    passage = _draft(SuffixDrafter(UNBOUNDED, guesses=3), [1, 2, 3, 4, 5, 6, 1, 2], seq_id=3)
-    assert passage.token_ids == [3, 4, 5, 6] and passage.recovered_guesses == [[], [], [], []]
-    # "All drafts accepted": after [1, 2] both occurrences say 3, the bonus guess; then 5 (the newer) or 4.
-    bonus = _draft(SuffixDrafter(UNBOUNDED, guesses=3), [1, 2, 3, 4, 7, 1, 2, 3, 5, 7, 0, 1, 2], seq_id=4,
-                   num_assumed=2, guess_next=True)
-    assert bonus.assumed_ids == [1, 2, 3] and bonus.token_ids == [5, 7, 0]  # where the committed tokens end
-    assert bonus.recovered_guesses == [[Guess(4, 1.0)], [], []]
 
 
 def test_speculation_length_follows_the_match_length():
