@@ -27,7 +27,7 @@ class _Lookup:
     """One sequence's tokens, indexed, and its last answer (a wait for drafts plans a step again)."""
 
     index: SuffixIndex
-    answered_len: int = -1
+    asked: tuple[int, int] = (-1, -1)  # (committed tokens, limit) the answer is for
     answer: HeldProposal | None = None
 
 
@@ -42,9 +42,9 @@ class LocalDrafts:
         """Drafts of at most `limit` tokens for seq's committed tokens, or None where the lookup is not confident."""
         lookup = self._synced(seq)
         tokens = seq.token_ids
-        if lookup.answered_len != len(tokens):
+        if lookup.asked != (len(tokens), limit):
             draft = speculate(lookup.index.occurrences(tokens, self.params, limit + 1), limit, self.params)
-            lookup.answered_len, lookup.answer = len(tokens), None
+            lookup.asked, lookup.answer = (len(tokens), limit), None
             if draft.score >= MIN_SCORE:
                 probs = point_mass(draft.tokens) if seq.options.sampling.needs_draft_probs else None
                 lookup.answer = HeldProposal(base_len=len(tokens), tokens=tuple(draft.tokens), probs=probs, local=True)

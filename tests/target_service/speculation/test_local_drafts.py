@@ -23,7 +23,9 @@ def test_a_sequence_that_repeats_a_passage_is_drafted_its_continuation():
     proposal = LocalDrafts().propose(seq, 4)
     assert (proposal.base_len, proposal.tokens, proposal.assumed, proposal.probs) == (len(seq.token_ids),
                                                                                     (62, 63, 64, 65), (), None)
-    assert LocalDrafts().propose(seq, 2).tokens == (62, 63)
+    local = LocalDrafts()
+    assert local.propose(seq, 2).tokens == (62, 63)
+    assert local.propose(seq, 4).tokens == (62, 63, 64, 65)  # the same tokens, a larger cap: looked up again
 
 
 def test_committed_tokens_join_the_index_as_they_come():
