@@ -1,14 +1,17 @@
 """The pair against the target alone across a network we set: loopback, then round trips of 0 to 40 ms.
 
-    python -m bench.network [--rtts loopback,0,1,4,10,40] [--drafters model,suffix+model,suffix/max-predraft-depth=1]
+    python -m bench.network [--rtts loopback,0,1,4,10,40]
+                            [--drafters model,suffix+model,suffix/max-predraft-depth=1,suffix/@no-local-drafts]
                             [--kinds chat,rewrite] [--num-prompts 8] [--concurrency 1,8]
                             [--max-tokens 128] [--jitter-ms 0] [--eagle-head HEAD] [--pin]
                             [--out bench/results/network]
 
 One phase per link: the draft service of each drafter, a delay proxy (bench/delay_proxy.py) in
 front of it at that round trip (none for `loopback`), and a target whose --drafter is the proxy;
-and the target alone (no drafter), all started afresh for the phase. Every configuration is up at once, each
-with one thread, and each group of requests (one prompt, or --concurrency of them at once) goes to
+and the target alone (no drafter), all started afresh for the phase. A drafter's name may carry
+settings after a '/' each: the draft service's flags, or with '@' first its target's. Every configuration is up at once, each
+with one thread, and each group of requests (one prompt, or twice --concurrency prompts with
+--concurrency of them in flight, as `vllm bench serve --max-concurrency` keeps them) goes to
 every configuration in turn, the order rotating from group to group, so that the machine's drift
 falls on all alike. Greedy, so a pair's outputs must equal the target alone's. With --pin, the targets run
 on CPU 0 and the drafters, proxies and this driver on the other CPUs, as if the drafter had a
@@ -30,13 +33,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -54,6 +60,11 @@ from tandem.v1 import generation_pb2_grpc
 ALONE = "alone"
 LOOPBACK = "loopback"
 WARM_PROMPTS = 2  # per kind, before a phase's measured requests: not measured
+# Several at once, a group keeps --concurrency requests in flight over this many times as many prompts,
+# so that a request that ends early makes room for the next, as in serving; a group of exactly
+# --concurrency would wait for its slowest request, and a request sped up would free nothing.
+IN_FLIGHT_TURN = 2
+T = TypeVar("T")
 
 @dataclass
 class Service:
@@ -98,33 +109,59 @@ class NetworkCell:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-async def run_group(address: str, prompts: list[Prompt], max_tokens: int) -> tuple[float, list]:
-    """Sends the prompts at once on one channel; the wall time of the group, and each result."""
+async def in_flight(calls: list[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
+    """Each call's result, in order, with at most `limit` of them running at once: a call starts as
+    soon as another ends, as a client that keeps `limit` requests in flight sends them."""
+    slots = asyncio.Semaphore(limit)
+
+    async def bounded(call: Callable[[], Awaitable[T]]) -> T:
+        async with slots:
+            return await call()
+
+    return list(await asyncio.gather(*(bounded(call) for call in calls)))
+
+
+async def run_group(address: str, prompts: list[Prompt], max_tokens: int, concurrency: int) -> tuple[float, list]:
+    """Sends the prompts on one channel, `concurrency` in flight; the wall time of the group, and each result."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         requests = [build_request(p, i, 0.0, max_tokens, None, 0) for i, p in enumerate(prompts)]
         began = time.perf_counter()
-        results = await asyncio.gather(*(generate(stub, r, timeout=600) for r in requests))
+        results = await in_flight([functools.partial(generate, stub, r, timeout=600) for r in requests], concurrency)
         return time.perf_counter() - began, results
 
 
-def groups(prompts: list[Prompt], concurrency: int) -> list[list[Prompt]]:
-    """One prompt at a time, or windows of `concurrency` prompts (wrapping around), covering each once."""
-    if concurrency == 1:
-        return [[p] for p in prompts]
-    count = max(1, round(len(prompts) / concurrency))
-    return [[prompts[(g * concurrency + i) % len(prompts)] for i in range(concurrency)] for g in range(count)]
+def groups(prompts: list[Prompt], size: int) -> list[list[Prompt]]:
+    """Windows of `size` prompts (wrapping around), covering each once."""
+    count = max(1, round(len(prompts) / size))
+    return [[prompts[(g * size + i) % len(prompts)] for i in range(size)] for g in range(count)]
+
+
+def group_size(concurrency: int) -> int:
+    """Prompts per group: one at a time, or IN_FLIGHT_TURN times the requests kept in flight."""
+    return 1 if concurrency == 1 else IN_FLIGHT_TURN * concurrency
+
+
+def _flags(settings: list[str]) -> list[str]:
+    """flag=value settings as command-line words; a switch has no value."""
+    return [part for setting in settings for part in ("--" + setting).split("=", 1)]
 
 
 def drafter_flags(drafter: str, args: argparse.Namespace) -> list[str]:
     """The draft service's flags for one drafter: its kind, then any flag=value after a '/' each
-    (suffix/max-predraft-depth=1), so that settings of one drafter run side by side."""
+    (suffix/max-predraft-depth=1), so that settings of one drafter run side by side. Settings that
+    begin with '@' are the pair's target's (target_flags)."""
     kind, *settings = drafter.split("/")
-    extra = [part for setting in settings for part in ("--" + setting).split("=", 1)]  # a switch has no value
+    extra = _flags([s for s in settings if not s.startswith("@")])
     if kind == EAGLE3:
         return [*eagle3_drafter_flags(args.eagle_head, args.model), *extra]
     draft_model = args.draft_model if "model" in kind else args.model  # lookup drafters load its tokenizer
     return ["--model", draft_model, "--drafter", kind, *extra]
+
+
+def target_flags(drafter: str) -> list[str]:
+    """The pair's target's own settings in a drafter's name, '@' first (suffix/@no-local-drafts/@draft-wait-ms=0)."""
+    return _flags([s[1:] for s in drafter.split("/")[1:] if s.startswith("@")])
 
 
 def start_pair(drafter: str, link: str, args: argparse.Namespace, logs: Path) -> Service:
@@ -136,7 +173,8 @@ def start_pair(drafter: str, link: str, args: argparse.Namespace, logs: Path) ->
     if link != LOOPBACK:
         proxy = ProxyProcess(draft.address, float(link) / 2, args.jitter_ms, log_path=logs / f"proxy-{tag}.log").start()
         address = proxy.address
-    target = ServiceProcess("target_service", ["--model", args.model, "--threads", "1", "--drafter", address],
+    target = ServiceProcess("target_service", ["--model", args.model, "--threads", "1", "--drafter", address,
+                                               *target_flags(drafter)],
                             log_path=logs / f"target-{tag}.log").start()
     return Service(drafter, target, draft, proxy)
 
@@ -161,12 +199,13 @@ def run_phase(link: str, args: argparse.Namespace, prompts: dict[str, list[Promp
             pin_services(services)
         for service in services:
             for kind in args.kinds:
-                asyncio.run(run_group(service.target.address, warm[kind], 32))
+                asyncio.run(run_group(service.target.address, warm[kind], 32, len(warm[kind])))
         cpu_before = {(s.name, role): cpu_seconds(p.pid) for s in services for role, p in s.processes().items()}
         cells = []
         for kind in args.kinds:
             for concurrency in args.concurrency:
-                cells += drive(link, kind, concurrency, services, groups(prompts[kind], concurrency), args.max_tokens)
+                batches = groups(prompts[kind], group_size(concurrency))
+                cells += drive(link, kind, concurrency, services, batches, args.max_tokens)
         cpu = {s.name: {role: cpu_seconds(p.pid) - cpu_before[s.name, role] for role, p in s.processes().items()}
                for s in services}
         return cells, cpu
@@ -200,7 +239,7 @@ def drive(link: str, kind: str, concurrency: int, services: list[Service], batch
         for service in order:
             cell = cells[service.name]
             before = counters(service.target.metrics_url)
-            seconds, results = asyncio.run(run_group(service.target.address, batch, max_tokens))
+            seconds, results = asyncio.run(run_group(service.target.address, batch, max_tokens, concurrency))
             after = counters(service.target.metrics_url)
             tokens = sum(len(r.token_ids) for r in results)
             cell.seconds += seconds

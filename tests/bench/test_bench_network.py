@@ -1,6 +1,7 @@
 """bench.network's rows: the ratios a configuration is judged by, from what its requests did."""
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import subprocess
@@ -59,6 +60,14 @@ def test_a_drafter_may_carry_its_own_flags_so_that_two_settings_run_side_by_side
     assert network.drafter_flags(args.drafters[1], args)[-6:] == [
         "--drafter", "suffix", "--max-predraft-depth", "1", "--max-fanout", "2"]
     assert network.drafter_flags("suffix/no-prefix-caching", args)[-1] == "--no-prefix-caching"
+    assert network.target_flags(args.drafters[1]) == []
+
+
+def test_settings_with_an_at_sign_go_to_the_pairs_target_and_not_to_its_drafter():
+    args = network.parse_args(["--drafters", "suffix/@no-local-drafts/max-fanout=2/@draft-wait-ms=0"])
+    drafter = args.drafters[0]
+    assert network.target_flags(drafter) == ["--no-local-drafts", "--draft-wait-ms", "0"]
+    assert network.drafter_flags(drafter, args)[-4:] == ["--drafter", "suffix", "--max-fanout", "2"]
     with pytest.raises(SystemExit):
         network.parse_args(["--drafters", "medusa/max-fanout=2"])
 
@@ -89,3 +98,30 @@ def test_the_paired_ratio_is_the_geometric_mean_of_each_group_against_alone_besi
     # log ratios a, b, a, b: standard deviation (b - a) / sqrt(3), standard error half that; spread e^(2 SE)
     assert spread == pytest.approx(math.exp(2 * math.log(1.2 / 1.1) / math.sqrt(3) / 2))
     assert paired_ratio([1.0], [1.0]) is None  # one pair has no spread
+
+
+def test_several_at_once_keep_that_many_in_flight_a_new_one_starting_as_one_ends():
+    running, most, order, ended = 0, 0, [], []
+
+    async def request(i: int, seconds: float) -> int:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        order.append(i)
+        await asyncio.sleep(seconds)
+        running -= 1
+        ended.append(i)
+        return i
+
+    # The first request is long: the others pass it, two at a time beside it, never waiting for it.
+    calls = [lambda i=i: request(i, 0.3 if i == 0 else 0.01) for i in range(6)]
+    assert asyncio.run(network.in_flight(calls, 3)) == list(range(6))
+    assert most == 3 and order == list(range(6))
+    assert ended[-1] == 0  # every other one started and ended while it ran
+
+
+def test_a_group_is_one_prompt_or_twice_the_requests_in_flight_covering_every_prompt():
+    prompts = list(range(48))
+    assert network.groups(prompts, network.group_size(1)) == [[p] for p in prompts]
+    windows = network.groups(prompts, network.group_size(8))
+    assert [len(w) for w in windows] == [16, 16, 16] and sorted(sum(windows, [])) == prompts
