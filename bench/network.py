@@ -2,11 +2,11 @@
 
     python -m bench.network [--rtts loopback,0,1,4,10,40]
                             [--drafters model,suffix+model,suffix/max-predraft-depth=1,suffix/@no-local-drafts]
-                            [--kinds chat,rewrite] [--num-prompts 8] [--concurrency 1,8]
+                            [--kinds chat,rewrite] [--num-prompts 16] [--concurrency 1,8]
                             [--max-tokens 128] [--jitter-ms 0] [--eagle-head HEAD] [--pin]
                             [--out bench/results/network]
 
-One phase per link: the draft service of each drafter, a delay proxy (bench/delay_proxy.py) in
+One phase per link, kind and concurrency: the draft service of each drafter, a delay proxy (bench/delay_proxy.py) in
 front of it at that round trip (none for `loopback`), and a target whose --drafter is the proxy;
 and the target alone (no drafter), all started afresh for the phase. A drafter's name may carry
 settings after a '/' each: the draft service's flags, or with '@' first its target's. Every configuration is up at once, each
@@ -137,9 +137,10 @@ def groups(prompts: list[Prompt], size: int) -> list[list[Prompt]]:
     return [[prompts[(g * size + i) % len(prompts)] for i in range(size)] for g in range(count)]
 
 
-def group_size(concurrency: int) -> int:
-    """Prompts per group: one at a time, or IN_FLIGHT_TURN times the requests kept in flight."""
-    return 1 if concurrency == 1 else IN_FLIGHT_TURN * concurrency
+def group_size(concurrency: int, prompts: int) -> int:
+    """Prompts per group: one at a time, or IN_FLIGHT_TURN times the requests kept in flight, but no
+    more than there are prompts: a suffix drafter would draft a prompt's second run from its first."""
+    return 1 if concurrency == 1 else min(IN_FLIGHT_TURN * concurrency, prompts)
 
 
 def _flags(settings: list[str]) -> list[str]:
@@ -184,9 +185,11 @@ def start_alone(link: str, args: argparse.Namespace, logs: Path) -> Service:
                                          log_path=logs / f"target-alone-{link}.log").start())
 
 
-def run_phase(link: str, args: argparse.Namespace, prompts: dict[str, list[Prompt]],
-              warm: dict[str, list[Prompt]], logs: Path) -> tuple[list[NetworkCell], dict[str, dict[str, float]]]:
-    """Every configuration started afresh (no prefix cached from an earlier phase), then driven in turn."""
+def run_phase(link: str, kind: str, concurrency: int, args: argparse.Namespace, prompts: list[Prompt],
+              warm: list[Prompt], logs: Path) -> tuple[list[NetworkCell], dict[str, dict[str, float]]]:
+    """Every configuration started afresh, then driven in turn. Afresh for each kind and concurrency
+    too: a suffix drafter keeps the outputs of earlier requests, and would draft a prompt's second
+    run from its first."""
     services = [start_alone(link, args, logs), *(start_pair(drafter, link, args, logs) for drafter in args.drafters)]
     pairs = services[1:]
     try:
@@ -198,14 +201,9 @@ def run_phase(link: str, args: argparse.Namespace, prompts: dict[str, list[Promp
         if args.pin:
             pin_services(services)
         for service in services:
-            for kind in args.kinds:
-                asyncio.run(run_group(service.target.address, warm[kind], 32, len(warm[kind])))
+            asyncio.run(run_group(service.target.address, warm, 32, len(warm)))
         cpu_before = {(s.name, role): cpu_seconds(p.pid) for s in services for role, p in s.processes().items()}
-        cells = []
-        for kind in args.kinds:
-            for concurrency in args.concurrency:
-                batches = groups(prompts[kind], group_size(concurrency))
-                cells += drive(link, kind, concurrency, services, batches, args.max_tokens)
+        cells = drive(link, kind, concurrency, services, groups(prompts, group_size(concurrency, len(prompts))), args.max_tokens)
         cpu = {s.name: {role: cpu_seconds(p.pid) - cpu_before[s.name, role] for role, p in s.processes().items()}
                for s in services}
         return cells, cpu
@@ -356,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rtts", default="loopback,0,1,4,10,40", help="loopback, or round trips in ms")
     parser.add_argument("--drafters", default="model,suffix+model")
     parser.add_argument("--kinds", default="chat,rewrite")
-    parser.add_argument("--num-prompts", type=int, default=8, help="per kind")
+    parser.add_argument("--num-prompts", type=int, default=16, help="per kind")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="each way, uniform in [0, this]")
@@ -393,11 +391,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"logs in {logs}", flush=True)
     rows = []
     for link in args.rtts:
-        cells, cpu = run_phase(link, args, prompts, warm, logs)
-        for cell in cells:
-            reference = next(c for c in cells if (c.kind, c.concurrency, c.config) == (cell.kind, cell.concurrency, ALONE))
-            rows.append(row(cell, reference, cpu[cell.config]))
-        print(markdown([r for r in rows if r["phase"] == link]), flush=True)
+        for kind in args.kinds:
+            for concurrency in args.concurrency:
+                cells, cpu = run_phase(link, kind, concurrency, args, prompts[kind], warm[kind], logs)
+                reference = next(c for c in cells if c.config == ALONE)
+                phase = [row(cell, reference, cpu[cell.config]) for cell in cells]
+                rows += phase
+                print(markdown(phase), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
     args.out.with_suffix(".md").write_text(table + "\n")

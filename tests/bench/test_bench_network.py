@@ -122,6 +122,8 @@ def test_several_at_once_keep_that_many_in_flight_a_new_one_starting_as_one_ends
 
 def test_a_group_is_one_prompt_or_twice_the_requests_in_flight_covering_every_prompt():
     prompts = list(range(48))
-    assert network.groups(prompts, network.group_size(1)) == [[p] for p in prompts]
-    windows = network.groups(prompts, network.group_size(8))
+    assert network.groups(prompts, network.group_size(1, 48)) == [[p] for p in prompts]
+    windows = network.groups(prompts, network.group_size(8, 48))
     assert [len(w) for w in windows] == [16, 16, 16] and sorted(sum(windows, [])) == prompts
+    # Fewer prompts than a group holds: each once, not a prompt twice in one group.
+    assert network.groups(prompts[:6], network.group_size(8, 6)) == [prompts[:6]]
