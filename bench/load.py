@@ -6,16 +6,20 @@ chat completions (bench.http_client); and records what a user sees of each reque
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 import grpc
 
 from bench.prompt_set import Prompt
 from tandem.client import GenerationResult, generate
 from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -123,6 +127,18 @@ def failed_record(prompt: Prompt, sent: float, error: str) -> RequestRecord:
     return RequestRecord(prompt.id, prompt.kind, sent, 0.0, 0.0, 0, 0, 0, 0, 0, "error", error=error)
 
 
+async def in_flight(calls: list[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
+    """Each call's result, in order, with at most `limit` of them running at once: a call starts as
+    soon as another ends, as a client that keeps `limit` requests in flight sends them."""
+    slots = asyncio.Semaphore(limit)
+
+    async def bounded(call: Callable[[], Awaitable[T]]) -> T:
+        async with slots:
+            return await call()
+
+    return list(await asyncio.gather(*(bounded(call) for call in calls)))
+
+
 async def drive(n: int, arrivals: Arrivals, one: Callable[[int, float], Awaitable[RequestRecord]]) -> RunResult:
     """Runs one(i, sent) for every request i, closed loop or open loop, and waits for all of them."""
     records: list[RequestRecord | None] = [None] * n
@@ -132,13 +148,7 @@ async def drive(n: int, arrivals: Arrivals, one: Callable[[int, float], Awaitabl
         records[i] = await one(i, time.perf_counter() - start)
 
     if arrivals.kind == "closed":
-        pending = iter(range(n))
-
-        async def worker() -> None:
-            for i in pending:  # a shared iterator: each worker takes the next request
-                await run(i)
-
-        await asyncio.gather(*(worker() for _ in range(arrivals.concurrency)))
+        await in_flight([functools.partial(run, i) for i in range(n)], arrivals.concurrency)
     else:
         tasks = []
         for i, at in enumerate(poisson_arrivals(n, arrivals.rate, arrivals.seed)):

@@ -39,15 +39,13 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 
 from bench.delay_proxy import ProxyProcess
-from bench.load import build_request
+from bench.load import build_request, in_flight
 from bench.prompt_set import KINDS, Prompt, load_prompts
 from bench.scrape import counters, delta
 from bench.serve import DRAFTERS, EAGLE3, eagle3_drafter_flags
@@ -64,7 +62,6 @@ WARM_PROMPTS = 2  # per kind, before a phase's measured requests: not measured
 # so that a request that ends early makes room for the next, as in serving; a group of exactly
 # --concurrency would wait for its slowest request, and a request sped up would free nothing.
 IN_FLIGHT_TURN = 2
-T = TypeVar("T")
 
 @dataclass
 class Service:
@@ -107,18 +104,6 @@ class NetworkCell:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
-
-
-async def in_flight(calls: list[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
-    """Each call's result, in order, with at most `limit` of them running at once: a call starts as
-    soon as another ends, as a client that keeps `limit` requests in flight sends them."""
-    slots = asyncio.Semaphore(limit)
-
-    async def bounded(call: Callable[[], Awaitable[T]]) -> T:
-        async with slots:
-            return await call()
-
-    return list(await asyncio.gather(*(bounded(call) for call in calls)))
 
 
 async def run_group(address: str, prompts: list[Prompt], max_tokens: int, concurrency: int) -> tuple[float, list]:

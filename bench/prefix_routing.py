@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.load import in_flight
 from bench.prefix_cache import chat, follow_up, opening
 from bench.prompt_set import load_prompts
 from tandem.launch import GatewayProcess, ServiceProcess
@@ -54,14 +56,9 @@ async def converse(session: aiohttp.ClientSession, url: str, model: str, questio
 
 
 async def load(url: str, model: str, questions: list[str], turns: int, max_tokens: int, concurrency: int) -> list[float]:
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(question: str) -> list[float]:
-        async with gate:
-            return await converse(session, url, model, question, turns, max_tokens)
-
     async with aiohttp.ClientSession() as session:
-        return [t for ttfts in await asyncio.gather(*(one(q) for q in questions)) for t in ttfts]
+        calls = [functools.partial(converse, session, url, model, q, turns, max_tokens) for q in questions]
+        return [t for ttfts in await in_flight(calls, concurrency) for t in ttfts]
 
 
 def run_policy(policy: str, args: argparse.Namespace, questions: list[str], logs: Path) -> PolicyRun:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import network
+from bench.load import in_flight
 from bench.stats import paired_ratio
 from bench.scrape import COUNTERS
 from tandem.launch import ServiceProcess
@@ -61,6 +62,8 @@ def test_a_drafter_may_carry_its_own_flags_so_that_two_settings_run_side_by_side
         "--drafter", "suffix", "--max-predraft-depth", "1", "--max-fanout", "2"]
     assert network.drafter_flags("suffix/no-prefix-caching", args)[-1] == "--no-prefix-caching"
     assert network.target_flags(args.drafters[1]) == []
+    with pytest.raises(SystemExit):
+        network.parse_args(["--drafters", "medusa/max-fanout=2"])
 
 
 def test_settings_with_an_at_sign_go_to_the_pairs_target_and_not_to_its_drafter():
@@ -68,8 +71,6 @@ def test_settings_with_an_at_sign_go_to_the_pairs_target_and_not_to_its_drafter(
     drafter = args.drafters[0]
     assert network.target_flags(drafter) == ["--no-local-drafts", "--draft-wait-ms", "0"]
     assert network.drafter_flags(drafter, args)[-4:] == ["--drafter", "suffix", "--max-fanout", "2"]
-    with pytest.raises(SystemExit):
-        network.parse_args(["--drafters", "medusa/max-fanout=2"])
 
 
 def test_pin_puts_every_thread_of_a_target_on_its_cpu_and_of_a_drafter_on_the_others():
@@ -115,7 +116,7 @@ def test_several_at_once_keep_that_many_in_flight_a_new_one_starting_as_one_ends
 
     # The first request is long: the others pass it, two at a time beside it, never waiting for it.
     calls = [lambda i=i: request(i, 0.3 if i == 0 else 0.01) for i in range(6)]
-    assert asyncio.run(network.in_flight(calls, 3)) == list(range(6))
+    assert asyncio.run(in_flight(calls, 3)) == list(range(6))
     assert most == 3 and order == list(range(6))
     assert ended[-1] == 0  # every other one started and ended while it ran
 
