@@ -48,6 +48,8 @@ ISAS = (
                           "amx_tile", "amx_bf16"}), (*_AVX512, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16")),
     Isa("avx512_bf16", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "avx2",
                                   "fma"}), (*_AVX512, "-mavx512bf16", "-mavx512vnni")),
+    Isa("avx512_vnni", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma"}),
+        (*_AVX512, "-mavx512vnni")),
     Isa("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}), _AVX512),
     Isa("avx2", frozenset({"avx2", "fma", "f16c"}), _AVX2),
 )
