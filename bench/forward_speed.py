@@ -62,12 +62,13 @@ def steps(context: int, max_k: int) -> dict[tuple[int, int], list[SequenceChunk]
     return cases
 
 
-def prefilled(config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, kv_cache_dtype: str, backend: Backend,
-              isa: str, context: int) -> LlamaModel:
+def prefilled(config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, kv_cache_dtype: str,
+              block_activations: str, backend: Backend, isa: str, context: int) -> LlamaModel:
     os.environ["TANDEM_NATIVE_ISA"] = isa  # the native build native.load() picks ("": the best), as the tests do
     native.load.cache_clear()
     model = build_model(config, weights, dtype=dtype, device=torch.device("cpu"), num_slots=8,
-                        max_model_len=context + 16, backend=backend, kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype])
+                        max_model_len=context + 16, backend=backend, kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype],
+                        block_activations=block_activations)
     prompt = list(range(2000, 2000 + context))
     model.run([SequenceChunk(slot, 0, prompt) for slot in range(8)])
     return model
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--quantizations", default="none", help="comma-separated: none, auto, q8_0, q4_0")
     parser.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: auto, bfloat16, float16, float32")
     parser.add_argument("--block-types", default="", help="with --random: comma-separated GGML types")
+    parser.add_argument("--block-activations", default="int16",
+                        help="comma-separated: int16, int8 (block weights' inputs; each a variant)")
     parser.add_argument("--isas", default="", help="comma-separated native builds (avx2, avx512, avx512_bf16, amx)")
     parser.add_argument("--threads", default="1", help="comma-separated thread counts for the native decoder")
     parser.add_argument("--torch", action="store_true", help="the PyTorch decoder too, at the first thread count")
@@ -109,12 +112,13 @@ def main() -> None:
                    for name in args.dtypes.split(",") for quantization in args.quantizations.split(",")}
     for name in filter(None, args.block_types.split(",")):
         weight_sets[torch.bfloat16, name] = random_block_weights(config, GGMLQuantizationType[name])
-    # (compute dtype, quantization or block type, KV cache dtype)
-    precisions = [(*w, kv) for w in weight_sets for kv in kv_cache_dtypes]
+    # (compute dtype, quantization or block type, KV cache dtype, block activations)
+    precisions = [(*w, kv, act) for w in weight_sets for kv in kv_cache_dtypes
+                  for act in (args.block_activations.split(",") if weight_sets[w].in_blocks else ["int16"])]
     isas = args.isas.split(",") if args.isas else [""]
     variants = (([("torch", thread_counts[0], "")] if args.torch else [])
                 + [("native", n, isa) for isa in isas for n in thread_counts])
-    models = {(p, backend, isa): prefilled(config, weight_sets[p[:2]], p[0], p[2], backend, isa, args.context)
+    models = {(p, backend, isa): prefilled(config, weight_sets[p[:2]], p[0], p[2], p[3], backend, isa, args.context)
               for p in precisions for backend, isa in {(v[0], v[2]) for v in variants}}
     cases = steps(args.context, args.max_k)
     times: dict[tuple, list[float]] = {(c, p, v): [] for c in cases for p in precisions for v in variants}
@@ -131,7 +135,8 @@ def main() -> None:
     for precision in precisions:
         for batch in (1, 8):
             print(f"\n{str(precision[0]).removeprefix('torch.')}, quantization {precision[1]}, KV cache "
-                  f"{precision[2]}, batch {batch}")
+                  f"{precision[2]}{', ' + precision[3] + ' activations' if weight_sets[precision[:2]].in_blocks else ''}, "
+                  f"batch {batch}")
             print(f"{'step':12}" + "".join(f"{name:>24}" for name in names))
             for k in range(args.max_k + 1):
                 label = "decode" if k == 0 else f"verify k={k}"

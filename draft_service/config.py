@@ -13,7 +13,7 @@ from tandem.model.kv_cache import KV_CACHE_DTYPE_HELP
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
 from tandem.protos import MAX_PREDRAFT_DEPTH
 from tandem.registry import DEFAULT_DRAFT_MODEL
-from tandem.quantization import QUANTIZATION_HELP, QUANTIZATIONS
+from tandem.quantization import BLOCK_ACTIVATIONS, BLOCK_ACTIVATIONS_HELP, QUANTIZATION_HELP, QUANTIZATIONS
 from tandem.runtime import check_kv_cache_dtype, resolve_dtype
 from tandem.tls import ServerTls
 
@@ -32,6 +32,7 @@ class DraftConfig:
     device: str = "cpu"
     dtype: str = "auto"  # bf16 for a drafter file, on CUDA and on CPUs with the native decoder, else fp32
     quantization: str = "auto"  # model drafters: one of tandem.quantization.QUANTIZATIONS
+    block_activations: str = "int16"  # model drafters: one of tandem.quantization.BLOCK_ACTIVATIONS
     kv_cache_dtype: str = "auto"  # model and suffix+model drafters: a key of tandem.model.kv_cache.KV_CACHE_DTYPES
     threads: int = 1  # torch threads; one core per service by default (docs/design/runtime.md, CPU threads)
     num_slots: int = 8
@@ -63,7 +64,8 @@ class DraftConfig:
     def __post_init__(self) -> None:
         self.log_level = self.log_level.lower()
         _check_ranges(self)
-        for name, allowed in (("drafter", DRAFTER_KINDS), ("log_level", LOG_LEVELS), ("quantization", QUANTIZATIONS)):
+        for name, allowed in (("drafter", DRAFTER_KINDS), ("log_level", LOG_LEVELS), ("quantization", QUANTIZATIONS),
+                              ("block_activations", BLOCK_ACTIVATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         self.server_tls()
@@ -99,6 +101,7 @@ HELP = {
     "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 for a distilled drafter file, on CUDA and on "
              "x86 CPUs the native decoder runs on, else float32)",
     "quantization": f"model drafters: {QUANTIZATION_HELP}",
+    "block_activations": f"model drafters: {BLOCK_ACTIVATIONS_HELP}",
     "kv_cache_dtype": f"model and suffix+model drafters: {KV_CACHE_DTYPE_HELP}",
     "threads": "torch CPU threads; give each service its own cores",
     "num_slots": "KV slots: sequences drafted at once; further Opens are refused",

@@ -55,7 +55,8 @@ def load_drafter(config: DraftConfig) -> LoadedDrafter:
     elif config.drafter in ("model", "suffix+model"):
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, num_slots=config.num_slots,
                             max_model_len=config.max_model_len, drafter_target=config.drafter_target,
-                            quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
+                            quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
+                            block_activations=config.block_activations)
         drafter = ModelDrafter(loaded.model, config.probs_top_k, metrics, loaded.draft_vocab,
                                guesses=config.predraft_guesses, prefix_caching=config.prefix_caching,
                                max_num_batched_tokens=config.max_num_batched_tokens)

@@ -16,7 +16,7 @@ from tandem.model import native
 from tandem.model.eagle3 import Eagle3Model
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, KV_CACHE_DTYPES
 from tandem.model.llama import LlamaModel, build_model
-from tandem.quantization import keeps_blocks, quantize
+from tandem.quantization import check_block_activations, keeps_blocks, quantize
 from tandem.registry import resolve_model_path
 from tandem.tokenizer import Tokenizer
 
@@ -83,12 +83,14 @@ def load_model(
     block_size: int = DEFAULT_BLOCK_SIZE,
     quantization: str = "auto",
     kv_cache_dtype: str = "auto",
+    block_activations: str = "int16",
 ) -> LoadedModel:
     """A checkpoint, or a distilled drafter file on its target (`drafter_target`, else the one it names).
 
     kv_cache_tokens: the KV pool's size; None: num_slots x max_model_len. block_size: positions per
     KV block. quantization: one of QUANTIZATIONS (tandem/quantization.py). kv_cache_dtype: a key of
-    KV_CACHE_DTYPES (tandem/model/kv_cache.py)."""
+    KV_CACHE_DTYPES (tandem/model/kv_cache.py). block_activations: one of BLOCK_ACTIVATIONS."""
+    check_block_activations(block_activations)
     path = resolve_model_path(name_or_path)
     device = torch.device(device)
     keep_blocks = keeps_blocks(quantization, device)
@@ -109,7 +111,8 @@ def load_model(
     weights = quantize(weights, quantization, config, dtype, device)
     model = build_model(config, weights, dtype=dtype, device=device,
                         num_slots=num_slots, max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens,
-                        block_size=block_size, kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype])
+                        block_size=block_size, kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype],
+                        block_activations=block_activations)
     return LoadedModel(name=name_or_path, path=path, config=config, model=model, tokenizer=tokenizer,
                        draft_vocab=draft_vocab)
 

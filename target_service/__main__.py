@@ -9,7 +9,7 @@ from target_service.config import TargetConfig
 from tandem.cli_args import add_dataclass_flags, dataclass_from_args
 from tandem.grpc_server import install_event_loop, set_torch_threads
 from tandem.model.kv_cache import KV_CACHE_DTYPE_HELP
-from tandem.quantization import QUANTIZATION_HELP
+from tandem.quantization import BLOCK_ACTIVATIONS_HELP, QUANTIZATION_HELP
 
 HELP = {
     "model": "embedded model name (smollm2-135m) or a path to a .gguf file or an HF folder",
@@ -23,6 +23,7 @@ HELP = {
     "dtype": "auto, float32 or bfloat16 (auto: bfloat16 on CUDA and on x86 CPUs the native decoder runs on, "
              "else float32)",
     "quantization": QUANTIZATION_HELP,
+    "block_activations": BLOCK_ACTIVATIONS_HELP,
     "kv_cache_dtype": KV_CACHE_DTYPE_HELP,
     "threads": "torch CPU threads; give each service its own cores",
     "max_num_seqs": "running sequences, each with its own KV block table",

@@ -8,7 +8,7 @@ from target_service.front_doors.tool_parsers import TOOL_PARSERS
 from target_service.speculation.addresses import DrafterAddresses
 from tandem.model.batch import DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_PREFILL_TOKENS
 from tandem.model.kv_cache import DEFAULT_BLOCK_SIZE, PAGE_SIZE
-from tandem.quantization import QUANTIZATIONS
+from tandem.quantization import QUANTIZATIONS, check_block_activations
 from tandem.runtime import check_kv_cache_dtype
 from tandem.tls import ClientTls, ServerTls, read_token
 
@@ -37,6 +37,7 @@ class TargetConfig:
     device: str = "cpu"
     dtype: str = "auto"  # bf16 on CUDA and on CPUs with the native decoder, else fp32
     quantization: str = "auto"  # one of tandem.quantization.QUANTIZATIONS; auto: a GGUF in its own block types
+    block_activations: str = "int16"  # one of tandem.quantization.BLOCK_ACTIVATIONS
     threads: int = 1  # torch threads; one core per service by default (docs/design/runtime.md, CPU threads)
     max_num_seqs: int = 8  # running sequences, one KV slot (block table) each
     max_model_len: int = 2048
@@ -112,6 +113,7 @@ class TargetConfig:
             raise ValueError("give --auth-token or --auth-token-file, not both")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        check_block_activations(self.block_activations)
         check_kv_cache_dtype(self.kv_cache_dtype, self.dtype, self.device)
 
     def server_tls(self) -> ServerTls | None:

@@ -30,6 +30,7 @@ async def serve(config: TargetConfig) -> None:
         load_model, config.model, dtype=config.dtype, device=config.device,
         num_slots=config.max_num_seqs, max_model_len=config.max_model_len, kv_cache_tokens=config.kv_cache_tokens or None,
         block_size=config.block_size, quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
+        block_activations=config.block_activations,
     )
     if config.chat_template:
         loaded.tokenizer = loaded.tokenizer.with_chat_template(chat_template_source(config.chat_template))

@@ -172,6 +172,7 @@ def build_model(
     kv_cache_tokens: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     kv_cache_dtype: torch.dtype | None = None,
+    block_activations: str = "int16",
 ) -> LlamaModel:
     """backend "native" insists on the native decoder (ValueError where it can't run).
 
@@ -209,7 +210,7 @@ def build_model(
     inv_freq = weights.rope_inv_freq if weights.rope_inv_freq is not None else rope_inv_freq(config)
     if use_native:
         rope = RotaryEmbedding(inv_freq, cache.positions, torch.float32, device)
-        decoder = NativeDecoder(config, weights, cache, rope.cos, rope.sin, native.load())
+        decoder = NativeDecoder(config, weights, cache, rope.cos, rope.sin, native.load(), block_activations)
     else:
         rope = RotaryEmbedding(inv_freq, max_model_len, dtype, device)
         decoder = TorchDecoder(config, weights, cache, rope, static_steps=static_steps)

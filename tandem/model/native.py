@@ -29,7 +29,7 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("decoder.c", "blocks.h", "block_kernels.h", "gemm.h", "pool.h", "vec.h")
 PANEL = 16  # output columns per packed panel (gemm.h)
 KEY_BLOCK = 16  # positions per block of the K cache (decoder.c)
-WEIGHTS_F32, WEIGHTS_BF16, WEIGHTS_BLOCKS = 0, 1, 2  # how a model's matrices are stored (gemm.h)
+WEIGHTS_F32, WEIGHTS_BF16, WEIGHTS_BLOCKS, WEIGHTS_BLOCKS_X8 = 0, 1, 2, 3  # how a model's matrices are stored (gemm.h)
 KV_F32, KV_BF16, KV_F16 = 0, 1, 2  # the KV cache's element type (decoder.c)
 
 

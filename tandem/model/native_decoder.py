@@ -61,11 +61,12 @@ def supports(config: ModelConfig, dtype: torch.dtype, device: torch.device, bloc
             and native.load() is not None)
 
 
-def weights_kind(weights: ModelWeights) -> int:
-    """native.WEIGHTS_*: every matrix in blocks, or every one a tensor of one float dtype."""
+def weights_kind(weights: ModelWeights, block_activations: str = "int16") -> int:
+    """native.WEIGHTS_*: every matrix in blocks (their inputs quantized to block_activations), or
+    every one a tensor of one float dtype."""
     blocks = [isinstance(m, BlockMatrix) for m in weights.matrices]
     if all(blocks):
-        return native.WEIGHTS_BLOCKS
+        return native.WEIGHTS_BLOCKS_X8 if block_activations == "int8" else native.WEIGHTS_BLOCKS
     if any(blocks):
         raise ValueError("the native decoder takes matrices all in GGUF blocks or all in one float dtype")
     return native.WEIGHTS_BF16 if weights.embed.dtype == torch.bfloat16 else native.WEIGHTS_F32
@@ -75,10 +76,10 @@ class NativeDecoder:
     """Packs the weights into the library's panels and runs whole forward passes in C."""
 
     def __init__(self, config: ModelConfig, weights, kv_cache: KVCache, rope_cos: torch.Tensor,
-                 rope_sin: torch.Tensor, library: native.Library):
+                 rope_sin: torch.Tensor, library: native.Library, block_activations: str = "int16"):
         """weights: ModelWeights already in the compute dtype; rope tables [>= cache positions, head_dim / 2]."""
         self.library = library
-        self.kind = weights_kind(weights)
+        self.kind = weights_kind(weights, block_activations)
         self.block_types: set[GGMLQuantizationType] = set()  # of the matrices kept in blocks
         self.vocab_rows = weights.lm_head.shape[0]
         self._keep: list[object] = []  # every array and struct the C structs point at

@@ -10,7 +10,7 @@ from draft_service.config import DraftConfig, parse_config
 VALUES = {
     "host": "0.0.0.0", "port": 6000, "metrics_port": 0, "drafter": "ngram", "model": "/models/x.gguf",
     "drafter_target": "/models/target.gguf",
-    "device": "cpu", "dtype": "bfloat16", "quantization": "q8_0", "kv_cache_dtype": "float32", "threads": 2, "num_slots": 3, "max_num_batched_tokens": 64, "max_seqs_per_target": 2, "max_model_len": 512, "max_k": 5,
+    "device": "cpu", "dtype": "bfloat16", "quantization": "q8_0", "block_activations": "int8", "kv_cache_dtype": "float32", "threads": 2, "num_slots": 3, "max_num_batched_tokens": 64, "max_seqs_per_target": 2, "max_model_len": 512, "max_k": 5,
     "max_fanout": 3, "predraft_guesses": 2, "max_predraft_depth": 2,
     "probs_top_k": 4, "ngram_min_n": 2, "ngram_max_n": 3, "suffix_max_depth": 16, "suffix_spec_factor": 2.0,
     "suffix_min_token_prob": 0.2, "suffix_cache_tokens": 1000, "suffix_confidence": 0.5, "grammar_cache_size": 32, "grace_seconds": 1.5,
@@ -43,7 +43,7 @@ def test_defaults(capsys):
     ("suffix_max_depth", 0), ("suffix_spec_factor", 0.0), ("suffix_min_token_prob", 1.5), ("suffix_cache_tokens", -1),
     ("suffix_confidence", 1.5), ("grammar_cache_size", 0),
     ("grace_seconds", -1.0), ("max_message_bytes", 0), ("tls_cert", "only-a-cert.crt"),
-    ("tls_client_ca", "ca-without-a-cert.crt"), ("log_level", "loud"), ("dtype", "int3"), ("kv_cache_dtype", "fp8"), ("device", "abacus"),
+    ("tls_client_ca", "ca-without-a-cert.crt"), ("log_level", "loud"), ("dtype", "int3"), ("block_activations", "int4"), ("kv_cache_dtype", "fp8"), ("device", "abacus"),
 ])
 def test_bad_values_are_refused(field, value):
     with pytest.raises(ValueError, match="--" + field.split("_")[0]):

@@ -4,6 +4,8 @@ Every instruction-set build this CPU can run is tested (AVX-512 with BF16, AVX-5
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,6 +150,14 @@ def test_gemm_rows_do_not_depend_on_how_many_share_the_call(isa, dtype):
                 assert torch.equal(got, alone[:rows]), (count, rows)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+def test_every_build_this_cpu_runs_compiles():
+    """A build that fails to compile makes load() fall back, and the tests marked needs_native skip
+    where none is left: here it fails instead."""
+    for isa in native.runnable_isas():
+        assert native._build(isa).exists(), isa.name
 
 
 def test_a_cpu_without_the_instructions_gets_no_build(monkeypatch):

@@ -1,10 +1,11 @@
-"""--quantization: what each choice loads, and the errors a user gets."""
+"""--quantization and --block-activations: what each choice loads, and the errors a user gets."""
 from __future__ import annotations
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from bench.greedy import greedy_generate
 from draft_service.config import DraftConfig
 from target_service.config import TargetConfig
 from tandem.model import native
@@ -27,6 +28,22 @@ def test_auto_runs_the_embedded_gguf_in_its_blocks_and_none_in_bf16():
     assert _types(load_model("smollm2-135m", num_slots=1, max_model_len=64)) == {Q.Q4_1, Q.Q8_0}
     plain = load_model("smollm2-135m", num_slots=1, max_model_len=64, quantization="none")
     assert plain.model.decoder.kind == native.WEIGHTS_BF16
+
+
+@needs_native
+def test_block_activations_int8_reach_the_decoder_and_keep_a_prompts_next_token():
+    """--block-activations int8: the same blocks, inputs in int8; on the embedded model a short
+    prompt's greedy next tokens stay the int16 ones (a check that the choice reaches the forward
+    and that it computes the model, not an equality the formats owe each other in general)."""
+    loaded = {name: load_model("smollm2-135m", num_slots=1, max_model_len=64, block_activations=name)
+              for name in ("int16", "int8")}
+    assert loaded["int8"].model.decoder.kind == native.WEIGHTS_BLOCKS_X8
+    assert loaded["int8"].model.decoder.block_types == {Q.Q4_1, Q.Q8_0}
+    ids = loaded["int16"].tokenizer.encode("The capital of France is")
+    tokens = {name: greedy_generate(one.model, ids, 4) for name, one in loaded.items()}
+    assert tokens["int8"] == tokens["int16"]
+    with pytest.raises(ValueError, match="--block-activations must be one of int16, int8, got 'int4'"):
+        load_model("smollm2-135m", num_slots=1, max_model_len=64, block_activations="int4")
 
 
 @needs_native

@@ -1,4 +1,5 @@
-"""The target's KV cache size and step budget: --kv-cache-tokens, --block-size and --max-num-batched-tokens."""
+"""The target's KV cache size and step budget (--kv-cache-tokens, --block-size, --max-num-batched-tokens),
+and the flags that choose its numerics and front door (--block-activations, --chat-template, --tool-call-parser)."""
 from __future__ import annotations
 
 import pytest
@@ -55,3 +56,10 @@ def test_a_tool_call_parser_is_one_served():
     assert TargetConfig(tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
     with pytest.raises(ValueError, match="--tool-call-parser 'mistral' is not one of hermes, llama3_json"):
         TargetConfig(tool_call_parser="mistral")
+
+
+def test_block_activations_are_int16_by_default_or_int8():
+    assert TargetConfig().block_activations == "int16"
+    assert TargetConfig(block_activations="int8").block_activations == "int8"
+    with pytest.raises(ValueError, match="--block-activations must be one of int16, int8, got 'int4'"):
+        TargetConfig(block_activations="int4")

@@ -25,6 +25,8 @@
 #define TANDEM_BLOCKS_H
 
 #include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -92,6 +94,44 @@ static void quantize_row(const float* x, int n, XBlock* out) {
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
         out[b].d = d;
         out[b].s = d * (float)_mm_cvtsi128_si32(t);
+    }
+}
+
+/* One block of an activation row in int8 (WEIGHTS_BLOCKS_X8): x ~ d * q, s = d * sum(q), and the
+   integer corrections that make the byte products exact sums of q times the weights: `offset`
+   (-128 * sum(q)) for Q8_0's weights moved to unsigned bytes, `half_offset` (-32 times the sums
+   of q's halves) for Q6_K's unsigned values. */
+typedef struct {
+    float d, s;
+    int32_t offset, half_offset[2];
+    int8_t q[QBLOCK];
+} XBlock8;
+
+#define XMAX8 127.0f
+_Static_assert(offsetof(XBlock, s) == sizeof(float) && offsetof(XBlock8, s) == sizeof(float),
+               "the kernels read a block's d and s as two neighbouring floats");
+
+/* Bytes of one activation block: XBlock8 (x8) or XBlock. */
+static inline int64_t xblock_bytes(int x8) { return x8 ? sizeof(XBlock8) : sizeof(XBlock); }
+
+/* x [n] (n a multiple of 32) -> n / 32 blocks of int8; rounding to nearest even. */
+static void quantize_row8(const float* x, int n, XBlock8* out) {
+    for (int b = 0; b < n / QBLOCK; b++) {
+        const float* v = x + b * QBLOCK;
+        float top = 0.0f;
+        for (int i = 0; i < QBLOCK; i++) top = fmaxf(top, fabsf(v[i]));
+        float d = top / XMAX8, inv = top > 0.0f ? XMAX8 / top : 0.0f;
+        int32_t halves[2] = {0, 0};
+        for (int i = 0; i < QBLOCK; i++) {
+            int32_t q = (int32_t)nearbyintf(v[i] * inv);
+            out[b].q[i] = (int8_t)q;
+            halves[i / 16] += q;
+        }
+        out[b].d = d;
+        out[b].s = d * (float)(halves[0] + halves[1]);
+        out[b].offset = -128 * (halves[0] + halves[1]);
+        out[b].half_offset[0] = -32 * halves[0];
+        out[b].half_offset[1] = -32 * halves[1];
     }
 }
 
@@ -173,8 +213,8 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* 
     else __builtin_prefetch(block + 4 * size);
 }
 
-/* A kernel for `rows` activation rows: (group, blocks, x, ldx, y, ldy). */
-typedef void (*group_dot_fn)(const uint8_t*, int, const XBlock*, int64_t, float*, int64_t);
+/* A kernel for `rows` activation rows: (group, blocks, x (XBlock or XBlock8), ldx, y, ldy). */
+typedef void (*group_dot_fn)(const uint8_t*, int, const void*, int64_t, float*, int64_t);
 
 #if GROUP_ROWS == 16
 #define VI __m512i
@@ -188,6 +228,7 @@ typedef void (*group_dot_fn)(const uint8_t*, int, const XBlock*, int64_t, float*
 #define CVT_U8 _mm512_cvtepu8_epi32
 #define CVT_I8 _mm512_cvtepi8_epi32
 #define WIDE(v) _mm512_broadcast_i64x4(v)
+#define SIGN8(x, w) _mm512_mask_sub_epi8((x), _mm512_movepi8_mask(w), _mm512_setzero_si512(), (x))
 #else
 #define VI __m256i
 #define VF __m256
@@ -200,19 +241,21 @@ typedef void (*group_dot_fn)(const uint8_t*, int, const XBlock*, int64_t, float*
 #define CVT_U8 _mm256_cvtepu8_epi32
 #define CVT_I8 _mm256_cvtepi8_epi32
 #define WIDE(v) (v)
+#define SIGN8(x, w) _mm256_sign_epi8((x), (w))
 #endif
 #include "block_kernels.h"
 
-/* One group's rows for all M activation rows (x: [M, nblocks]), in even tiles of at most
-   BLOCK_TILE_ROWS: the group's blocks are read from memory once and stay in L1 while the tiles pass. */
-static void group_rows(const BlockGroup* g, const XBlock* x, int M, int nblocks, float* y, int ldy) {
-    const group_dot_fn* kernels = group_dots(g->type);
+/* One group's rows for all M activation rows (x: [M, nblocks] XBlock, or XBlock8 if x8), in even
+   tiles of at most BLOCK_TILE_ROWS: the group's blocks are read from memory once and stay in L1
+   while the tiles pass. */
+static void group_rows(const BlockGroup* g, const void* x, int x8, int M, int nblocks, float* y, int ldy) {
+    const group_dot_fn* kernels = group_dots(g->type, x8);
     int tiles = (M + BLOCK_TILE_ROWS - 1) / BLOCK_TILE_ROWS;
     float out[BLOCK_TILE_ROWS][GROUP_ROWS];
     for (int t = 0, m = 0; t < tiles; t++) {
         int tile = (M - m) / (tiles - t);
         float* ym = y + (int64_t)m * ldy + g->first_row;
-        const XBlock* xm = x + (int64_t)m * nblocks;
+        const void* xm = (const uint8_t*)x + (int64_t)m * nblocks * xblock_bytes(x8);
         if (g->count == GROUP_ROWS) {
             kernels[tile](g->data, nblocks, xm, nblocks, ym, ldy);
         } else {
@@ -227,14 +270,15 @@ static void group_rows(const BlockGroup* g, const XBlock* x, int M, int nblocks,
    first row is in the range (a group is computed whole by the thread that has its first row, so
    threads write disjoint rows). A prefill's rows go in chunks whose blocks stay in L2 while every
    group passes over them. */
-static void gemm_blocks_range(const XBlock* x, int M, int K, const BlockGroup* groups, int num_groups, int n0,
+static void gemm_blocks_range(const void* x, int x8, int M, int K, const BlockGroup* groups, int num_groups, int n0,
                               int n1, float* y, int ldy) {
     int nblocks = K / QBLOCK;
     for (int m = 0; m < M; m += BLOCK_ROW_CHUNK) {
         int rows = M - m < BLOCK_ROW_CHUNK ? M - m : BLOCK_ROW_CHUNK;
+        const void* xm = (const uint8_t*)x + (int64_t)m * nblocks * xblock_bytes(x8);
         for (int i = 0; i < num_groups; i++)
             if (groups[i].first_row >= n0 && groups[i].first_row < n1)
-                group_rows(groups + i, x + (int64_t)m * nblocks, rows, nblocks, y + (int64_t)m * ldy, ldy);
+                group_rows(groups + i, xm, x8, rows, nblocks, y + (int64_t)m * ldy, ldy);
     }
 }
 

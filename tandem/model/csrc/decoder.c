@@ -45,7 +45,7 @@ typedef struct {
     int64_t pool_positions; /* pool blocks * KEY_BLOCK: one KV head's share of a layer's cache */
     const int32_t* block_tables;  /* [slots, max_len / KEY_BLOCK]: a slot's position p is in block
                                      block_tables[slot][p / KEY_BLOCK] */
-    int weights_kind, kv_type;  /* WEIGHTS_F32, WEIGHTS_BF16 or WEIGHTS_BLOCKS (gemm.h); KV_F32, KV_BF16 or KV_F16 */
+    int weights_kind, kv_type;  /* WEIGHTS_F32, WEIGHTS_BF16, WEIGHTS_BLOCKS or WEIGHTS_BLOCKS_X8 (gemm.h); KV_F32, KV_BF16 or KV_F16 */
     float eps;
     const float* rope_cos;  /* [max_len, head_dim / 2] */
     const float* rope_sin;
@@ -94,6 +94,8 @@ static inline void put_input_at(const Model* m, void* gin, int row, int cols, in
     int64_t at = (int64_t)row * cols + col;
     if (m->weights_kind == WEIGHTS_BLOCKS) {
         quantize_row(src, n, (XBlock*)gin + at / QBLOCK);
+    } else if (m->weights_kind == WEIGHTS_BLOCKS_X8) {
+        quantize_row8(src, n, (XBlock8*)gin + at / QBLOCK);
     } else if (m->weights_kind == WEIGHTS_BF16) {
         uint16_t* dst = (uint16_t*)gin + at;
         for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
@@ -121,7 +123,7 @@ static void rms_norm(const float* x, const float* weight, int n, float eps, floa
 
 static void embed_row(const Model* m, int64_t id, float* out) {
     int h = m->hidden;
-    if (m->weights_kind == WEIGHTS_BLOCKS) {
+    if (is_blocks(m->weights_kind)) {
         const PackedMatrix* rows = m->embed != NULL ? m->embed : &m->lm_head;
         dequantize_row(rows->data, rows->groups, id, h, out);
         return;
@@ -505,11 +507,15 @@ static void gemm_job(void* arg, int tid, int nt) {
 /* y[rows, ldy] = x @ W^T over all of W's panels; x in the weights' element type (bf16 pairs), or
    fp32 for block rows, quantized here. Returns -1 when memory ran out, else 0. */
 int tandem_gemm(const void* x, int rows, const PackedMatrix* w, int kind, float* y, int ldy, int num_threads) {
-    XBlock* blocks = NULL;
-    if (kind == WEIGHTS_BLOCKS) {
-        int per_row = w->cols / QBLOCK;
-        if ((blocks = malloc(sizeof(XBlock) * ((int64_t)rows * per_row + 1))) == NULL) return -1;
-        for (int r = 0; r < rows; r++) quantize_row((const float*)x + (int64_t)r * w->cols, w->cols, blocks + (int64_t)r * per_row);
+    void* blocks = NULL;
+    if (is_blocks(kind)) {
+        int per_row = w->cols / QBLOCK, x8 = kind == WEIGHTS_BLOCKS_X8;
+        if ((blocks = malloc(xblock_bytes(x8) * ((int64_t)rows * per_row + 1))) == NULL) return -1;
+        for (int r = 0; r < rows; r++) {
+            const float* row = (const float*)x + (int64_t)r * w->cols;
+            if (x8) quantize_row8(row, w->cols, (XBlock8*)blocks + (int64_t)r * per_row);
+            else quantize_row(row, w->cols, (XBlock*)blocks + (int64_t)r * per_row);
+        }
         x = blocks;
     }
     GemmJob job = {x, rows, w, kind, y, ldy};

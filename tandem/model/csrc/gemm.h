@@ -306,7 +306,10 @@ static void gemm_amx_range(const uint16_t* x, int M, int K, const uint16_t* w, i
 #endif
 
 /* How a model's matrices are stored, and so what their input rows are. */
-enum { WEIGHTS_F32 = 0, WEIGHTS_BF16 = 1, WEIGHTS_BLOCKS = 2 };
+enum { WEIGHTS_F32 = 0, WEIGHTS_BF16 = 1, WEIGHTS_BLOCKS = 2, WEIGHTS_BLOCKS_X8 = 3 };
+
+/* Block weights, whose inputs are XBlock (int16) or XBlock8 (int8, WEIGHTS_BLOCKS_X8). */
+static inline int is_blocks(int kind) { return kind == WEIGHTS_BLOCKS || kind == WEIGHTS_BLOCKS_X8; }
 
 /* One matrix of the model: packed weights (fp32, bf16) or groups of block rows, and its sizes. */
 typedef struct {
@@ -318,13 +321,13 @@ typedef struct {
 } PackedMatrix;
 
 /* Panels [p0, p1) of y. x is fp32 [M, K] for fp32 weights, bf16 pairs [M, K/2] for bf16 weights,
-   XBlock [M, K / 32] for block rows (whose padding columns past N come out 0). */
+   XBlock or XBlock8 [M, K / 32] for block rows (whose padding columns past N come out 0). */
 static void gemm_range(const void* x, int M, const PackedMatrix* w, int kind, int p0, int p1, float* y, int ldy) {
     if (p0 >= p1) return;
-    if (kind == WEIGHTS_BLOCKS) {
+    if (is_blocks(kind)) {
         int n1 = p1 * PANEL < w->rows ? p1 * PANEL : w->rows;
-        gemm_blocks_range((const XBlock*)x, M, w->cols, (const BlockGroup*)w->data, w->groups, p0 * PANEL, n1, y,
-                          ldy);
+        gemm_blocks_range(x, kind == WEIGHTS_BLOCKS_X8, M, w->cols, (const BlockGroup*)w->data, w->groups,
+                          p0 * PANEL, n1, y, ldy);
         for (int m = 0; m < M; m++)
             for (int n = n1; n < p1 * PANEL; n++) y[(int64_t)m * ldy + n] = 0.0f;
         return;
