@@ -101,6 +101,13 @@ class TargetMetrics:
             "tandem_spec_decode_realized_speedup",
             "Tokens per second of wall time in steps that could speculate, over what the target alone makes at "
             "that batch size, as the speed guard measures them (a moving average; 0 until measured).")
+        self.step_fixed_cost = gauge(
+            "tandem_spec_decode_step_fixed_seconds",
+            "The policy's fitted cost of a decode or verify step: its fixed seconds (a least-squares line over recent "
+            "steps, by their tokens).")
+        self.step_token_cost = gauge(
+            "tandem_spec_decode_step_token_seconds",
+            "The policy's fitted cost of a decode or verify step: seconds per token in it, what a draft is priced at.")
         self.tokens_vs_alone = counter(
             "tandem_spec_decode_tokens_vs_alone",
             "Tokens that steps able to speculate made beyond (gained) or short of (lost) what the target alone "

@@ -95,6 +95,7 @@ class SpeculationPolicy:
         self._steps = 0
         self._fit = [0.0] * 5  # exponentially weighted sums of 1, n, t, n*n, n*t over steps
         self._per_token = 0.0  # the last cost per token the fit could measure; 0 until it could
+        self._decode_seconds: dict[int, float] = {}  # a decode step's time by batch size, as measured
         self._paused = False  # the drafter was last asked for no sequence's drafts beyond exploring
         self._accepted = self._judged = 1.0  # alpha = 1 until measured, so that drafts get tried
         self._answers = self._drafted = 1.0  # every answer carries drafts until measured
@@ -116,9 +117,13 @@ class SpeculationPolicy:
         self._judged = keep * self._judged + _judged(num_accepted, num_drafts)
         record.observe(num_accepted, num_drafts)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A decode or verify step: one forward pass over num_tokens tokens took `seconds`."""
+    def observe_step(self, num_tokens: int, seconds: float, batch: int) -> None:
+        """A decode or verify step: one forward pass over num_tokens tokens of `batch` sequences took
+        `seconds`. A decode (a token each) is also kept as that batch size's own base time."""
         self.mean_step += _SMOOTHING * (seconds - self.mean_step)
+        if num_tokens == batch:
+            known = self._decode_seconds.get(batch)
+            self._decode_seconds[batch] = seconds if known is None else known + _MODEL_SMOOTHING * (seconds - known)
         self._steps += 1
         keep = 1 - _MODEL_SMOOTHING
         sample = (1.0, num_tokens, seconds, num_tokens * num_tokens, num_tokens * seconds)
@@ -205,6 +210,20 @@ class SpeculationPolicy:
             return _MIN_SECONDS, 0.0
         return max(t / w - self._per_token * n / w, _MIN_SECONDS), self._per_token
 
+    def decode_seconds(self, batch: int) -> float:
+        """A decode step of `batch` sequences: measured at that batch size where it was, else the line.
+
+        The line is fitted over steps of every batch size, and a CPU's step is no line: a decode of
+        one token streams every weight (10 ms on an Ice Lake core), one of eight costs 1.8x that, and
+        each further token 2 ms more. The line's fixed part, about 9 ms there, would make a batch of
+        eight look slower than it is, and each draft's share of a step look smaller: drafts that
+        lose at batch 8 looked worth verifying."""
+        measured = self._decode_seconds.get(batch)
+        if measured is not None:
+            return measured
+        fixed, per_token = self.cost_model()
+        return fixed + per_token * batch
+
     def draft_limits(self, records: list[DraftRecord], available: list[int]) -> list[int]:
         """Each sequence's drafts to verify, k_i: those that maximize the step's expected tokens per
         second (_best_limits), but for exploring.
@@ -259,7 +278,8 @@ class SpeculationPolicy:
     def _best_limits(self, records: list[DraftRecord], available: list[int]) -> list[int]:
         """Sequence i's j-th draft is accepted with probability alpha_i**j, and verifying it costs
         one more token: the step's rate is (B + the sum of the verified drafts' alpha_i**j) /
-        (fixed + per_token * (B + drafts)) seconds by the fitted cost_model. The drafts worth most
+        (decode_seconds(B) + per_token * drafts) seconds: a decode of B as measured, and each draft
+        at the fitted cost_model's price of a token. The drafts worth most
         come first, so the best set is the first m of them by worth, for the m of the highest rate;
         as alpha_i**j falls with j, each sequence's share of them is its first k_i drafts.
         A draft raises the rate only while its worth exceeds per_token x the rate so far, and once
@@ -268,18 +288,19 @@ class SpeculationPolicy:
         until one does not pay. A paused sequence gets none, but right after an exploring step."""
         explored = self._steps_to_explore(_EXPLORE_PAUSED_EVERY) == _EXPLORE_PAUSED_EVERY - 1
         available = [0 if record.paused and not explored else most for record, most in zip(records, available)]
-        fixed, per_token = self.cost_model()
+        _, per_token = self.cost_model()
         batch = len(available)
+        base = self.decode_seconds(batch)
         limits = [0] * batch
         alphas = {i: self.sequence_alpha(records[i]) for i, most in enumerate(available) if most}
         heap = [(-alpha, -i) for i, alpha in alphas.items()]  # each sequence's next draft: (-worth, -i)
         heapq.heapify(heap)  # by worth, then the later sequence first (ties as a sort by (worth, i) would)
-        tokens, expected = batch, float(batch)
-        rate = expected / (fixed + per_token * tokens)
+        drafts, expected = 0, float(batch)
+        rate = expected / base
         while heap:
             negative_worth, negative_i = heap[0]
-            tokens, expected = tokens + 1, expected - negative_worth
-            taken = expected / (fixed + per_token * tokens)
+            drafts, expected = drafts + 1, expected - negative_worth
+            taken = expected / (base + per_token * drafts)
             if taken <= rate:
                 break
             rate, i = taken, -negative_i

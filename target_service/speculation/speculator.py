@@ -144,7 +144,10 @@ class Speculator:
         if not any(plan.caps):
             self.policy.skip_step()
             return
-        self.policy.observe_step(plan.num_tokens, seconds)
+        self.policy.observe_step(plan.num_tokens, seconds, len(plan.seqs))
+        fixed, per_token = self.policy.cost_model()
+        self.metrics.step_fixed_cost.set(fixed)
+        self.metrics.step_token_cost.set(per_token)
         self._observe_cycle(plan, outputs, cycle)
         m = self.metrics
         verified = drafted = 0

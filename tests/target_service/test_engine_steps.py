@@ -399,6 +399,18 @@ async def test_each_update_tells_the_drafter_the_targets_timing(make):
     assert h.engine.speculator.reopen_all().step_interval_us == update.step_interval_us  # a new drafter too
 
 
+async def test_the_step_cost_model_is_exported_after_each_step(make):
+    """The line the policy prices drafts with, as gauges: operators see what a draft costs."""
+    h, seq = await _prefilled(make)
+    h.propose(seq, N, T[1:3])
+    await h.engine.step()  # a verify of 3 tokens
+    await h.engine.step()  # a decode of 1
+    fixed, per_token = h.engine.speculator.policy.cost_model()
+    assert fixed > 0
+    assert h.count("tandem_spec_decode_step_fixed_seconds") == fixed
+    assert h.count("tandem_spec_decode_step_token_seconds") == per_token
+
+
 async def test_an_answer_that_comes_after_the_target_moved_on_times_its_own_round_trip(make):
     """Over a link longer than a step the answer for a prefix arrives steps later: its round trip
     runs from the update that told that prefix, not from the newest one."""
@@ -993,7 +1005,7 @@ async def test_a_wait_is_weighed_against_every_sequence_it_holds_up(make, batch)
     policy = h.engine.speculator.policy
     for _ in range(200):
         policy.observe_draft_rtt(0.25)
-        policy.observe_step(1, 0.4)
+        policy.observe_step(1, 0.4, batch=1)
         policy.observe_verify(1, 2, policy.new_record())
     for seq in others:
         h.propose(seq, len(seq.token_ids), CONTINUATIONS[OTHER_PROMPT][1:3])

@@ -14,7 +14,7 @@ from target_service.speculation.policy import DraftRecord, SpeculationPolicy, sp
 def _policy(draft_wait_ms: float, sync: bool = False) -> SpeculationPolicy:
     policy = speculation_policy(TargetConfig(draft_wait_ms=draft_wait_ms, sync_speculation=sync))
     for _ in range(200):  # long enough for the moving averages to settle
-        policy.observe_step(1, 0.040)
+        policy.observe_step(1, 0.040, batch=1)
         policy.observe_verify(2, 4, DraftRecord())
     return policy
 
@@ -132,7 +132,7 @@ def _fitted(fixed: float, per_token: float, alpha: float, sync: bool = False) ->
     policy = speculation_policy(TargetConfig(sync_speculation=sync))
     for step in range(400):
         n = (1, 4, 16, 48)[step % 4]
-        policy.observe_step(n, fixed + per_token * n)
+        policy.observe_step(n, fixed + per_token * n, batch=n)
     for i in range(400):
         policy.observe_verify(int(i % 10 < alpha * 10), 1, DraftRecord())
     assert policy.alpha == pytest.approx(alpha, abs=0.05)
@@ -161,7 +161,7 @@ def _limits(policy: SpeculationPolicy, steps: int, batch_size: int, available: l
         step_limits = policy.draft_limits(records, available)
         limits.append(max(step_limits))
         n = batch_size + sum(min(limit, a) for limit, a in zip(step_limits, available))
-        policy.observe_step(n, fixed + per_token * n)
+        policy.observe_step(n, fixed + per_token * n, batch=batch_size)
     return limits
 
 
@@ -175,7 +175,7 @@ def test_extra_tokens_look_free_until_steps_of_different_sizes_are_seen():
     policy = SpeculationPolicy(TargetConfig())
     assert policy.draft_limits([DraftRecord()] * 16, [4] * 16) == [4] * 16
     for _ in range(50):
-        policy.observe_step(16, 0.100)
+        policy.observe_step(16, 0.100, batch=16)
     assert policy.cost_model() == (pytest.approx(0.100), 0.0)
 
 
@@ -183,7 +183,7 @@ def test_the_cost_per_token_is_kept_while_the_steps_all_look_alike():
     """Steps of one size (no draft verified for a while) say nothing about what a token costs."""
     policy = _fitted(fixed=0.010, per_token=0.004, alpha=0.3)
     for _ in range(500):
-        policy.observe_step(16, 0.010 + 0.004 * 16)
+        policy.observe_step(16, 0.010 + 0.004 * 16, batch=16)
     assert policy.cost_model() == (pytest.approx(0.010), pytest.approx(0.004))
 
 
@@ -210,6 +210,32 @@ def test_at_batch_sixteen_with_poor_drafts_and_costly_tokens_none_are_verified()
     policy = _fitted(fixed=0.010, per_token=0.004, alpha=0.3)
     limits = _limits(policy, 64, 16, [5] * 16, fixed=0.010, per_token=0.004)
     assert sorted(limits) == [0] * 63 + [1]  # one step explores a draft
+
+
+def roofline(tokens: int) -> float:
+    """An Ice Lake core's forward, SmolLM2 in blocks: a decode of one token streams every weight
+    (10 ms); eight cost 17.6 ms, and each token past them 2.2 ms (bench.forward_speed)."""
+    return max(0.010 + 0.0076 * (tokens - 1) / 7, 0.0176 + 0.0022 * (tokens - 8))
+
+
+def test_drafts_are_priced_against_the_decode_measured_at_their_batch_size():
+    """The step is no line: one fitted over decodes of 1 and 8 and verifies of 8 with 16 drafts
+    prices a batch-8 decode above what it measured, and so each draft's share of the step below its
+    own. Drafts accepted 8 times in 10 pay at batch 1 and not at batch 8, where each must add 0.9
+    tokens (2 ms at 8 tokens per 17.6 ms)."""
+    policy = speculation_policy(TargetConfig())
+    for step in range(400):
+        batch, tokens = ((1, 1), (8, 8), (8, 24))[step % 3]
+        policy.observe_step(tokens, roofline(tokens), batch=batch)
+    for i in range(400):
+        policy.observe_verify(int(i % 10 < 8), 1, DraftRecord())
+    fixed, per_token = policy.cost_model()
+    assert fixed + 8 * per_token > 0.019 and per_token == pytest.approx(0.0020, abs=0.0003)  # the line
+    assert policy.decode_seconds(8) == pytest.approx(0.0176) and policy.decode_seconds(1) == pytest.approx(0.010)
+    at_eight = _aligned(policy, _veterans(8))
+    assert policy.draft_limits(at_eight, [4] * 8) == [0] * 8
+    [alone] = _aligned(policy, _veterans(1))
+    assert policy.draft_limits([alone], [4]) >= [2]
 
 
 def test_when_no_drafts_pay_one_step_in_sixty_four_still_verifies_one():
@@ -275,7 +301,7 @@ def _requests(policy: SpeculationPolicy, steps: int, batch_size: int, caps: list
         limits = policy.draft_limits(records, caps)
         pairs.append((max(requested), max(limits)))
         n = batch_size + sum(min(limit, c) for limit, c in zip(limits, caps))
-        policy.observe_step(n, fixed + per_token * n)
+        policy.observe_step(n, fixed + per_token * n, batch=batch_size)
     return pairs
 
 
@@ -316,7 +342,7 @@ def test_a_paused_drafter_is_asked_again_once_the_exploring_steps_find_its_draft
         [limit] = policy.draft_limits([record], [4])
         if limit:
             policy.observe_verify(limit, limit, record)  # the exploring step's draft is accepted
-        policy.observe_step(1 + limit, 0.010 + 0.004 * (1 + limit))
+        policy.observe_step(1 + limit, 0.010 + 0.004 * (1 + limit), batch=1)
         if policy.drafts_to_request([record], [4]) >= [2]:
             resumed_after = step
             break
@@ -332,7 +358,7 @@ def test_while_paused_the_exploring_step_waits_for_its_draft_and_no_other_step_d
     for _ in range(128):
         policy.drafts_to_request(records, [5] * 16)  # sent with the Extends after each step
         bounds.append((max(policy.draft_limits(records, [5] * 16)), policy.wait_bound()))
-        policy.observe_step(16 + bounds[-1][0] * 16, 0.010 + 0.004 * (16 + bounds[-1][0] * 16))
+        policy.observe_step(16 + bounds[-1][0] * 16, 0.010 + 0.004 * (16 + bounds[-1][0] * 16), batch=16)
     assert sorted(bounds) == [(0, 0.0)] * 126 + [(1, pytest.approx(0.050))] * 2  # --draft-wait-ms 50
 
 
@@ -372,7 +398,7 @@ def test_one_exploring_step_that_happens_to_be_fast_does_not_make_drafts_look_fr
     requested = []
     for _ in range(512):
         [limit] = policy.draft_limits([record], [4])
-        policy.observe_step(1 + limit, 0.014)  # the exploring step took no longer than a decode step
+        policy.observe_step(1 + limit, 0.014, batch=1)  # the exploring step took no longer than a decode step
         requested += policy.drafts_to_request([record], [4])
     assert set(requested) == {0, 1} and sum(requested) <= 3 * 512 / 64
 
@@ -386,7 +412,7 @@ def test_a_paused_sequence_is_weighed_again_only_after_an_exploring_step():
     requested = []
     for _ in range(256):
         for n in (1, 3):  # steps of two sizes at the same cost: extra tokens are now free
-            policy.observe_step(n, 0.010)
+            policy.observe_step(n, 0.010, batch=1)
         requested.append(policy.drafts_to_request([record], [4])[0])
         if requested[-1] > 1:
             break

@@ -207,7 +207,7 @@ def test_an_off_window_leaves_the_cost_models_own_verdict_alone():
     asked = [policy.drafts_to_request([record], [4])[0]]
     for _ in range(TRIAL_STEPS + 2 * WINDOW_STEPS):
         [limit] = policy.draft_limits([record], [4])
-        policy.observe_step(1 + limit, DECODE)
+        policy.observe_step(1 + limit, DECODE, batch=1)
         speculating = policy.allowed([record])[0] and asked[-1] > 0
         policy.observe_cycle([record], [speculating], [1 + limit], DECODE)
         asked.append(policy.drafts_to_request([record], [4])[0])
