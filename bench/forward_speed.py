@@ -1,7 +1,8 @@
 """Milliseconds per forward of decode and verify steps: what verifying k drafts costs, in decode steps.
 
     python -m bench.forward_speed [--threads 1,2] [--rounds 5] [--context 128] [--max-k 8] [--torch]
-                                  [--quantizations none,auto,q8_0,q4_0] [--isas avx2,avx512_bf16]
+                                  [--quantizations none,auto,q8_0,q4_0] [--block-activations int16,int8]
+                                  [--isas avx2,avx512_vnni,avx512_bf16]
                                   [--kv-cache-dtypes auto,bfloat16,float16,float32]
                                   [--random --model llama-3.2-1b --block-types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K]
 
@@ -91,7 +92,7 @@ def main() -> None:
     parser.add_argument("--block-types", default="", help="with --random: comma-separated GGML types")
     parser.add_argument("--block-activations", default="int16",
                         help="comma-separated: int16, int8 (block weights' inputs; each a variant)")
-    parser.add_argument("--isas", default="", help="comma-separated native builds (avx2, avx512, avx512_bf16, amx)")
+    parser.add_argument("--isas", default="", help="comma-separated native builds (avx2, avx512, avx512_vnni, avx512_bf16, amx)")
     parser.add_argument("--threads", default="1", help="comma-separated thread counts for the native decoder")
     parser.add_argument("--torch", action="store_true", help="the PyTorch decoder too, at the first thread count")
     parser.add_argument("--context", type=int, default=128)

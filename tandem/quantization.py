@@ -16,6 +16,7 @@ from tandem.config import ModelConfig
 from tandem.model import native
 from tandem.model.block_matrix import BlockMatrix
 from tandem.model.llama import Matrix, ModelWeights, dequantized
+from tandem.model.native_decoder import BLOCK_ACTIVATIONS, check_block_activations  # re-exported for the flags
 from tandem.model.native_decoder import supports as native_supports
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,6 @@ QUANTIZATION_HELP = ("auto, none, q8_0 or q4_0: auto runs a GGUF's Q4_0, Q4_1, Q
                      "the native CPU decoder (the embedded model's default); none dequantizes them to --dtype; "
                      "q8_0 and q4_0 quantize a checkpoint's float matrices at load (CPU only)")
 _AT_LOAD = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
-BLOCK_ACTIVATIONS = ("int16", "int8")
 BLOCK_ACTIVATIONS_HELP = ("int16 or int8: what the native CPU decoder quantizes a block matrix's inputs to, per "
                           "block of 32. int16 (the default) keeps transformers' greedy text on the dequantized GGUF; "
                           "int8, as llama.cpp does, multiplies four bytes per instruction (VNNI) for a faster "
@@ -36,11 +36,6 @@ BLOCK_ACTIVATIONS_HELP = ("int16 or int8: what the native CPU decoder quantizes 
 def check_quantization(name: str) -> None:
     if name not in QUANTIZATIONS:
         raise ValueError(f"quantization {name!r} is not one of: {', '.join(QUANTIZATIONS)}")
-
-
-def check_block_activations(name: str) -> None:
-    if name not in BLOCK_ACTIVATIONS:
-        raise ValueError(f"--block-activations must be one of {', '.join(BLOCK_ACTIVATIONS)}, got {name!r}")
 
 
 def keeps_blocks(name: str, device: torch.device) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from tandem.model.llama import LlamaModel, build_model
 from tandem.quantization import check_block_activations, keeps_blocks, quantize
 from tandem.registry import resolve_model_path
 from tandem.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # --dtype: the KV cache's names, and their short forms
 _DTYPES = {**{name: dtype for name, dtype in KV_CACHE_DTYPES.items() if dtype is not None},
@@ -113,6 +116,9 @@ def load_model(
                         num_slots=num_slots, max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens,
                         block_size=block_size, kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype],
                         block_activations=block_activations)
+    if block_activations == "int8" and getattr(model.decoder, "kind", None) != native.WEIGHTS_BLOCKS_X8:
+        log.warning("--block-activations int8 applies to GGUF block weights on the native CPU decoder; %s runs "
+                    "without them (--quantization %s on %s)", name_or_path, quantization, device)
     return LoadedModel(name=name_or_path, path=path, config=config, model=model, tokenizer=tokenizer,
                        draft_vocab=draft_vocab)
 

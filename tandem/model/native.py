@@ -1,8 +1,8 @@
 """The native CPU decoder library (csrc/): which build this CPU runs, compiling it, and its C types.
 
 The C sources are compiled by gcc on first use into a per-user cache, once per instruction set:
-AMX (bf16 matrix tiles), AVX-512 with BF16 dot products, AVX-512 without them, or AVX2 with
-FMA, chosen at run time from the CPU's flags, best first; a build that fails to compile or to
+AMX (bf16 matrix tiles), AVX-512 with BF16 dot products, AVX-512 with VNNI (integer dot
+products), plain AVX-512, or AVX2 with FMA, chosen at run time from the CPU's flags, best first; a build that fails to compile or to
 start falls back to the next. Where none fits, or gcc is missing, `load()` returns None and
 models run on the PyTorch path. `TANDEM_NATIVE=0` turns the library off; `TANDEM_NATIVE_ISA` picks a lower build
 than the CPU allows (the tests run every build this CPU can).

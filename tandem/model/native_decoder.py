@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from tandem.model.llama import Matrix, ModelWeights
 
 KV_TYPES = {torch.float32: native.KV_F32, torch.bfloat16: native.KV_BF16, torch.float16: native.KV_F16}
+BLOCK_ACTIVATIONS = ("int16", "int8")  # what a block matrix's inputs are quantized to (csrc/blocks.h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +62,15 @@ def supports(config: ModelConfig, dtype: torch.dtype, device: torch.device, bloc
             and native.load() is not None)
 
 
+def check_block_activations(name: str) -> None:
+    if name not in BLOCK_ACTIVATIONS:
+        raise ValueError(f"--block-activations must be one of {', '.join(BLOCK_ACTIVATIONS)}, got {name!r}")
+
+
 def weights_kind(weights: ModelWeights, block_activations: str = "int16") -> int:
-    """native.WEIGHTS_*: every matrix in blocks (their inputs quantized to block_activations), or
-    every one a tensor of one float dtype."""
+    """native.WEIGHTS_*: every matrix in blocks (their inputs quantized to block_activations, one of
+    BLOCK_ACTIVATIONS), or every one a tensor of one float dtype."""
+    check_block_activations(block_activations)
     blocks = [isinstance(m, BlockMatrix) for m in weights.matrices]
     if all(blocks):
         return native.WEIGHTS_BLOCKS_X8 if block_activations == "int8" else native.WEIGHTS_BLOCKS

@@ -95,7 +95,7 @@ class SpeculationPolicy:
         self._steps = 0
         self._fit = [0.0] * 5  # exponentially weighted sums of 1, n, t, n*n, n*t over steps
         self._per_token = 0.0  # the last cost per token the fit could measure; 0 until it could
-        self._decode_seconds: dict[int, float] = {}  # a decode step's time by batch size, as measured
+        self._decodes: dict[int, tuple[float, int]] = {}  # by batch size: a decode step's mean time, and how many
         self._paused = False  # the drafter was last asked for no sequence's drafts beyond exploring
         self._accepted = self._judged = 1.0  # alpha = 1 until measured, so that drafts get tried
         self._answers = self._drafted = 1.0  # every answer carries drafts until measured
@@ -121,9 +121,10 @@ class SpeculationPolicy:
         """A decode or verify step: one forward pass over num_tokens tokens of `batch` sequences took
         `seconds`. A decode (a token each) is also kept as that batch size's own base time."""
         self.mean_step += _SMOOTHING * (seconds - self.mean_step)
-        if num_tokens == batch:
-            known = self._decode_seconds.get(batch)
-            self._decode_seconds[batch] = seconds if known is None else known + _MODEL_SMOOTHING * (seconds - known)
+        if num_tokens == batch:  # the plain mean of its first decodes, then a moving one: no first step sticks
+            mean, count = self._decodes.get(batch, (0.0, 0))
+            count += 1
+            self._decodes[batch] = (mean + max(1 / count, _MODEL_SMOOTHING) * (seconds - mean), count)
         self._steps += 1
         keep = 1 - _MODEL_SMOOTHING
         sample = (1.0, num_tokens, seconds, num_tokens * num_tokens, num_tokens * seconds)
@@ -211,18 +212,19 @@ class SpeculationPolicy:
         return max(t / w - self._per_token * n / w, _MIN_SECONDS), self._per_token
 
     def decode_seconds(self, batch: int) -> float:
-        """A decode step of `batch` sequences: measured at that batch size where it was, else the line.
+        """A decode step of `batch` sequences: measured at that batch size, or at the nearest one
+        measured and the line's slope for the difference; the line alone before any was.
 
         The line is fitted over steps of every batch size, and a CPU's step is no line: a decode of
         one token streams every weight (10 ms on an Ice Lake core), one of eight costs 1.8x that, and
         each further token 2 ms more. The line's fixed part, about 9 ms there, would make a batch of
         eight look slower than it is, and each draft's share of a step look smaller: drafts that
         lose at batch 8 looked worth verifying."""
-        measured = self._decode_seconds.get(batch)
-        if measured is not None:
-            return measured
         fixed, per_token = self.cost_model()
-        return fixed + per_token * batch
+        if not self._decodes:
+            return fixed + per_token * batch
+        nearest = min(self._decodes, key=lambda size: (abs(size - batch), size))
+        return max(self._decodes[nearest][0] + per_token * (batch - nearest), _MIN_SECONDS)
 
     def draft_limits(self, records: list[DraftRecord], available: list[int]) -> list[int]:
         """Each sequence's drafts to verify, k_i: those that maximize the step's expected tokens per

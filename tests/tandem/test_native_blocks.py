@@ -119,6 +119,23 @@ def test_the_largest_weights_and_activations_are_summed_exactly(isa, kind, ggml_
 
 
 @KINDS
+@pytest.mark.parametrize("ggml_type, values", [(Q.Q4_K, slice(16, 144)), (Q.Q6_K, slice(0, 192))],
+                         ids=["Q4_K", "Q6_K"])
+def test_the_largest_k_quant_values_are_summed_exactly(isa, kind, ggml_type, values):
+    """Every Q4_K nibble 15 (summed in int16 over a window without VNNI, as Q4's) and every Q6_K
+    value 63 (its largest vpmaddubsw pairs), against rows at ±XMAX: within the activations'
+    rounding of the dequantized product, as any overflow would not be."""
+    matrix = random_blocks(32, 512, ggml_type, seed=2)
+    for part in matrix.parts:
+        part.data.reshape(part.data.shape[0], 2, -1)[..., values] = 0xFF
+    x = torch.tensor([[1.0] * 512, [-1.0] * 512, [0.5, -0.5] * 256])
+    weights = matrix.dequantize().double()
+    dense = x.double() @ weights.T
+    got = _gemm(isa, matrix, x, kind)[:, :32].double()
+    assert ((got - dense).abs() <= _activation_error_bound(x.double(), weights, kind) * 1.001 + 1e-4).all()
+
+
+@KINDS
 @pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 5, 9])
 @pytest.mark.parametrize("out_features, in_features", [(37, 256), (16, 768)])

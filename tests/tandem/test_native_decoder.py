@@ -1,6 +1,6 @@
 """The native CPU decoder against the PyTorch decoder: same logits, rows independent of their batch.
 
-Every instruction-set build this CPU can run is tested (AVX-512 with BF16, AVX-512, AVX2).
+Every instruction-set build this CPU can run is tested (AMX, AVX-512 with BF16, AVX-512 with VNNI, AVX-512, AVX2).
 """
 from __future__ import annotations
 

@@ -47,6 +47,15 @@ def test_block_activations_int8_reach_the_decoder_and_keep_a_prompts_next_token(
 
 
 @needs_native
+def test_block_activations_int8_on_float_weights_says_it_does_not_apply(caplog):
+    with caplog.at_level("WARNING", logger="tandem.runtime"):
+        loaded = load_model("smollm2-135m", num_slots=1, max_model_len=64, quantization="none",
+                            block_activations="int8")
+    assert loaded.model.decoder.kind == native.WEIGHTS_BF16
+    assert "--block-activations int8 applies to GGUF block weights" in caplog.text
+
+
+@needs_native
 @pytest.mark.parametrize("name, ggml_type", [("q8_0", Q.Q8_0), ("q4_0", Q.Q4_0)])
 def test_an_hf_folder_is_quantized_at_load_when_asked(tmp_path, name, ggml_type):
     folder = write_tiny_model(tmp_path / "hf", seed=0, head_dim=32)

@@ -65,7 +65,8 @@ static inline __attribute__((always_inline)) void block_sums16(const uint8_t* va
 /* ---- int8 activations (XBlock8) ------------------------------------------------------------- */
 
 /* sums[r] += each lane's 4 unsigned weight bytes w times x[r]'s bytes at..at + 3 (signed), summed:
-   one vpdpbusd with VNNI; else vpmaddubsw (no pair of these products reaches int16's limit) and a
+   one vpdpbusd with VNNI; else vpmaddubsw (no pair of these products reaches int16's limit while
+   w <= 63: Q6_K's values at most; Q8_0's bytes moved to w + 128 come here only with VNNI) and a
    vpmaddwd by ones. The same integers either way. */
 static inline __attribute__((always_inline)) void quad_products(VI w, int at, const XBlock8* x, int64_t ldx,
                                                                int rows, VI* sums) {
@@ -139,7 +140,7 @@ static inline __attribute__((always_inline)) void block_sums8(const uint8_t* val
     if (type == GGML_Q8_0) {
         for (int r = 0; r < rows; r++)
 #if defined(__AVX512VNNI__)
-            sums[r] = OP(set1_epi32)(x[r * ldx].offset);
+            sums[r] = OP(set1_epi32)(x[r * ldx].q8_offset);
 #else
             sums[r] = SI(setzero)();
 #endif
@@ -221,7 +222,7 @@ static inline __attribute__((always_inline)) void window_sums16(const uint8_t* w
 }
 
 /* window_sums16 for int8 activations: the values as unsigned bytes; Q6_K's sums start at the rows'
-   half_offset, for its -32. */
+   q6_offset, for its -32. */
 static inline __attribute__((always_inline)) void window_sums8(const uint8_t* window, const int type,
                                                               const XBlock8* x, int64_t ldx, const int rows,
                                                               VI sums[2][BLOCK_TILE_ROWS]) {
@@ -229,7 +230,7 @@ static inline __attribute__((always_inline)) void window_sums8(const uint8_t* wi
     const VI low = OP(set1_epi8)(0x0f);
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < 2; h++)
-            sums[h][r] = type == GGML_Q6_K ? OP(set1_epi32)(x[r * ldx].half_offset[h]) : SI(setzero)();
+            sums[h][r] = type == GGML_Q6_K ? OP(set1_epi32)(x[r * ldx].q6_offset[h]) : SI(setzero)();
     if (type == GGML_Q4_K) {  /* sums[1] holds the nibbles' accumulators */
         for (int c = 0; c < 4; c++) {
             VI packed = CHUNK(window + 4 * G * c);
@@ -309,7 +310,7 @@ static inline __attribute__((always_inline)) void group_dot_k(const uint8_t* gro
                                        int64_t ldy) {                                                   \
         KERNEL(g, nb, x, ldx, y, ldy, ROWS, GGML_##TYPE, X8);                                            \
     }
-/* NAME_TYPE: KERNEL for x8 activations, by activation rows. */
+/* NAME_TYPE: KERNEL with int8 (X8 = 1) or int16 (X8 = 0) activations, by activation rows. */
 #define GROUP_ROW_DOTS(NAME, KERNEL, X8, TYPE)                                                          \
     GROUP_DOT(NAME, KERNEL, X8, TYPE, 1) GROUP_DOT(NAME, KERNEL, X8, TYPE, 2)                           \
     GROUP_DOT(NAME, KERNEL, X8, TYPE, 3) GROUP_DOT(NAME, KERNEL, X8, TYPE, 4)                           \

@@ -77,7 +77,7 @@ typedef struct {
     const Batch* b;
     Barrier barrier;
     float* hidden;   /* [T, hidden], the residual stream */
-    void* gin;       /* [T, widest K]: the next matrix multiply's input, fp32, bf16 or XBlocks */
+    void* gin;       /* [T, widest K]: the next matrix multiply's input, fp32, bf16, XBlocks or XBlock8s */
     float* qkv;      /* [T, qkv ldy] */
     float* attn;     /* [T, heads * head_dim], fp32 weights only: the o projection's input */
     float* y;        /* [T, hidden ldy]: o and down projections */

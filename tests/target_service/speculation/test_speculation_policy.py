@@ -238,6 +238,23 @@ def test_drafts_are_priced_against_the_decode_measured_at_their_batch_size():
     assert policy.draft_limits([alone], [4]) >= [2]
 
 
+def test_a_batch_sizes_decode_time_forgets_a_slow_first_step_and_lends_itself_to_its_neighbours():
+    """Its first decodes are averaged plainly, so a cold first step fades with every decode after
+    it; a batch size not yet measured takes the nearest measured one's, with the line's slope for
+    the difference."""
+    policy = speculation_policy(TargetConfig())
+    for step in range(200):
+        batch, tokens = ((1, 1), (1, 5))[step % 2]
+        policy.observe_step(tokens, roofline(tokens), batch=batch)
+    policy.observe_step(8, 0.100, batch=8)  # a cold first step
+    for _ in range(99):
+        policy.observe_step(8, roofline(8), batch=8)
+    assert policy.decode_seconds(8) == pytest.approx(roofline(8), rel=0.05)  # a moving average from it: 0.029
+    _, per_token = policy.cost_model()
+    assert policy.decode_seconds(7) == pytest.approx(policy.decode_seconds(8) - per_token)
+    assert policy.decode_seconds(2) == pytest.approx(policy.decode_seconds(1) + per_token)
+
+
 def test_when_no_drafts_pay_one_step_in_sixty_four_still_verifies_one():
     policy = _fitted(fixed=0.010, per_token=0.004, alpha=0.3)
     limits = _limits(policy, 256, 16, [5] * 16, fixed=0.010, per_token=0.004)
